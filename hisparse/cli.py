@@ -1,0 +1,124 @@
+"""`hisparse` command line: make-tiny, generate, logits (serve and the rest join as they land)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise SystemExit(f"--prompt-ids: expected comma-separated integers, got {text!r}") from None
+
+
+def _model_dir(arg: str | None) -> Path:
+    from .model.tiny import builtin_tiny
+    return Path(arg) if arg else builtin_tiny()
+
+
+def add_kv_args(p: argparse.ArgumentParser) -> None:
+    """Where the latent KV lives; shared by generate and serve."""
+    p.add_argument("--kv-offload", choices=("hisparse", "none"), default="hisparse",
+                   help="hisparse: latent rows in the host pool, hot working set on the device; none: all resident")
+    p.add_argument("--kv-layout", choices=("fp8_ds_mla", "bf16"), default="fp8_ds_mla")
+    p.add_argument("--host-pool-gib", type=float, default=4.0)
+    p.add_argument("--hot-buffer-tokens", type=int, default=None, help="hot slots per request (default 2 x topk)")
+    p.add_argument("--resident-window", type=int, default=None, help="newest tokens kept on the device")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+
+
+def make_kv(args: argparse.Namespace, cfg):
+    from .engine.kv_factory import build_kv
+    return build_kv(cfg, offload=args.kv_offload, layout=args.kv_layout, device=args.device,
+                    host_pool_gib=args.host_pool_gib, hot_buffer_tokens=args.hot_buffer_tokens,
+                    resident_window=args.resident_window)
+
+
+def cmd_make_tiny(args: argparse.Namespace) -> None:
+    from .model.tiny import make_tiny
+    out = make_tiny(args.out, preset=args.preset, fp8=args.fp8, seed=args.seed)
+    print(f"wrote {args.preset} checkpoint to {out}")
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from .engine.generate import greedy_generate
+    from .model.weights import load_model
+    model_dir = _model_dir(args.model)
+    model = load_model(model_dir, device=args.device)
+    tok = None
+    if args.prompt_ids is not None:
+        prompt = _ids(args.prompt_ids)
+    else:
+        from .model.tokenizer import load_tokenizer
+        tok = load_tokenizer(model_dir).instruct_tokenizer.tokenizer
+        prompt = tok.encode(args.prompt, bos=True, eos=False)
+    if not prompt:
+        raise SystemExit("prompt: empty")
+    kv = make_kv(args, model.cfg)
+    gen = greedy_generate(model, kv, prompt, args.max_tokens, chunk=args.chunk)
+    if tok is None and (model_dir / "tekken.json").exists():
+        from .model.tokenizer import load_tokenizer
+        tok = load_tokenizer(model_dir).instruct_tokenizer.tokenizer
+    if tok is not None:
+        print(tok.decode(gen.tokens))
+    print("ids:", ",".join(map(str, gen.tokens)))
+    stats = getattr(kv, "stats", None)
+    if stats is not None:
+        print("hisparse:", stats.summary(), file=sys.stderr)
+
+
+def cmd_logits(args: argparse.Namespace) -> None:
+    from .model.batch import Segment
+    from .model.kv import ResidentKV
+    from .model.weights import load_model
+    model = load_model(_model_dir(args.model), device=args.device)
+    ids = _ids(args.prompt_ids)
+    kv = ResidentKV(model.cfg, layout=None, device=args.device)
+    logits = model(torch.tensor(ids, device=args.device), [Segment(0, 0, len(ids))], kv)
+    np.save(args.out, logits.float().cpu().numpy())
+    print(f"wrote logits {tuple(logits.shape)} to {args.out}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="hisparse", description="Long-context ML4 serving with host-memory sparse KV")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("make-tiny", help="write a tiny random Mistral-native ML4 checkpoint")
+    p.add_argument("out")
+    p.add_argument("--preset", choices=("tiny", "small"), default="tiny")
+    p.add_argument("--fp8", action="store_true", help="store linear weights as block-scaled fp8 e4m3")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(fn=cmd_make_tiny)
+
+    p = sub.add_parser("generate", help="greedy generation for one prompt")
+    p.add_argument("--model", default=None, help="checkpoint dir (default: the built-in tiny checkpoint)")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--prompt")
+    g.add_argument("--prompt-ids")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--chunk", type=int, default=256, help="prefill chunk size")
+    add_kv_args(p)
+    p.set_defaults(fn=cmd_generate)
+
+    p = sub.add_parser("logits", help="full-forward fp32 logits [T, V] of a prompt to a .npy file")
+    p.add_argument("--model", default=None)
+    p.add_argument("--prompt-ids", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--device", default="cpu")
+    p.set_defaults(fn=cmd_logits)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    args.fn(args)
+
+
+if __name__ == "__main__":
+    main()

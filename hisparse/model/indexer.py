@@ -1,0 +1,97 @@
+"""Lightning indexer (spec §3.6): scores every cached key for each query and picks the exact top-k.
+
+Order is normative: score descending, ties by position ascending. Selections are returned as positions in
+ascending order, padded with -1 where a query has fewer than k visible keys.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .config import ModelConfig, LayerSpec
+from .norm import LayerNorm
+from .rope import apply_rope
+
+SCORE_BLOCK_ELEMS = 1 << 24   # bound on the [rows, HI, S] score temporaries of one block
+
+
+def ssmax_gain(scaling: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """SSMax query gain g_h(p) = s_h * ln(p + 1) + b_h (spec §3.4): [T, H]."""
+    logp = torch.log1p(positions.to(torch.float64)).to(dtype)
+    sc = scaling.to(dtype)
+    return logp[:, None] * sc[None, :, 0] + sc[None, :, 1]
+
+
+def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Exact stable top-k of each row of scores [T, S] (invisible keys = -inf).
+
+    Returns [T, min(k, S)] selected positions, ascending, -1 padded. Batched torch ops only: a threshold
+    from torch.topk, then ties at the threshold are taken in position order via a cumulative count.
+    """
+    T, S = scores.shape
+    width = min(k, S)
+    visible = scores > float("-inf")
+    if S <= k:
+        mask = visible
+    else:
+        thr = torch.topk(scores, k, dim=1, sorted=False).values.min(dim=1, keepdim=True).values
+        gt = scores > thr
+        eq = scores == thr
+        need = k - gt.sum(1, keepdim=True)
+        mask = (gt | (eq & (eq.cumsum(1) <= need))) & visible
+    rank = mask.cumsum(1) - 1
+    out = torch.full((T, width + 1), -1, dtype=torch.long, device=scores.device)
+    col = torch.where(mask, rank, torch.full_like(rank, width))
+    pos = torch.arange(S, device=scores.device).expand(T, S)
+    out.scatter_(1, col, torch.where(mask, pos, torch.full_like(pos, -1)))
+    return out[:, :width]
+
+
+class Indexer(nn.Module):
+    """Per-layer lightning indexer; present only on indexer-owner layers."""
+
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec):
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.rope_dim = cfg.qk_rope_head_dim if spec.rope else 0
+        self.interleave = cfg.indexer_rope_interleave
+        self.q_norm = LayerNorm(cfg.dim)
+        self.wq_b = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, self.head_dim, bias=False)
+        self.k_norm = LayerNorm(self.head_dim)
+        self.weights_proj = nn.Linear(cfg.dim, self.n_heads, bias=False)
+        self.ssmax_scaling = nn.Parameter(torch.zeros(self.n_heads, 2)) if cfg.ssmax_indexer else None
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [N, D] (attention_norm output) -> Q [N, HI, dI], K [N, dI] (cached), head weights w [N, HI]."""
+        q = self.wq_b(self.q_norm(x)).view(-1, self.n_heads, self.head_dim)
+        k = self.k_norm(self.wk(x))
+        if self.rope_dim:
+            r = self.rope_dim
+            q = torch.cat((apply_rope(q[..., :r], cos, sin, self.interleave), q[..., r:]), dim=-1)
+            k = torch.cat((apply_rope(k[..., :r], cos, sin, self.interleave), k[..., r:]), dim=-1)
+        if self.ssmax_scaling is not None:
+            q = q * ssmax_gain(self.ssmax_scaling, positions, q.dtype)[..., None]
+        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).to(x.dtype)
+        return q, k, w
+
+    def select(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Top-k over keys [S, dI] (positions 0..S-1) for queries q [T, HI, dI] at `positions` -> [T, min(k,S)]."""
+        S = keys.shape[0]
+        rows = max(1, SCORE_BLOCK_ELEMS // max(1, self.n_heads * S))
+        out = []
+        for i in range(0, q.shape[0], rows):   # blocks of queries bound the score memory
+            out.append(select_topk(self.scores(q[i:i + rows], w[i:i + rows], keys, positions[i:i + rows]),
+                                   self.topk))
+        return torch.cat(out)
+
+    def scores(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """I[t, s] = sum_h (w[t,h]/sqrt(HI)) relu(<Q[t,h], K[s]>/sqrt(dI)), -inf where s > p_t: [T, S]."""
+        dots = torch.einsum("thd,sd->ths", q, keys) / math.sqrt(self.head_dim)
+        scores = torch.einsum("ths,th->ts", torch.relu(dots), w / math.sqrt(self.n_heads))
+        s_idx = torch.arange(keys.shape[0], device=keys.device)
+        return scores.masked_fill(s_idx[None, :] > positions[:, None], float("-inf"))
