@@ -13,4 +13,4 @@ demo: $(BIN)/hisparse
 	$(BIN)/hisparse generate --prompt "hello" --max-tokens 8
 
 test: $(BIN)/hisparse
-	$(BIN)/python -m pytest -q
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q

@@ -1,0 +1,90 @@
+"""The resolver: map one request's selected (non-resident) positions to hot-buffer slots, LRU.
+
+`HotState` is the slot metadata of one (request, index group): the layers that share one top-k selection
+(an indexer owner and its sharers) see the same positions every step, so one plan serves all of them and
+each layer copies only its own bytes. A hit refreshes its slot's LRU stamp; misses take the least recently
+used slots not hit this step (empty slots first); misses beyond the buffer's free slots are `transient`
+(copied for this step only, never cached). Everything is batched torch ops on the compute device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+EMPTY = -1
+
+
+class HotState:
+    """Slot metadata of one hot buffer: slot -> position, position -> slot, LRU stamps."""
+
+    def __init__(self, n_slots: int, device: torch.device):
+        self.n_slots, self.device = n_slots, device
+        self.slot_pos = torch.full((n_slots,), EMPTY, dtype=torch.long, device=device)
+        self.last_used = torch.full((n_slots,), EMPTY, dtype=torch.long, device=device)
+        self.slot_of = torch.full((0,), EMPTY, dtype=torch.int32, device=device)   # by position
+
+    def ensure_positions(self, n: int) -> None:
+        if self.slot_of.numel() < n:
+            grown = torch.full((max(n, 2 * self.slot_of.numel()),), EMPTY, dtype=torch.int32, device=self.device)
+            grown[: self.slot_of.numel()] = self.slot_of
+            self.slot_of = grown
+
+    def drop_from(self, length: int) -> None:
+        """Forget every slot holding a position >= length (rollback)."""
+        stale = self.slot_pos >= length
+        self.slot_pos[stale] = EMPTY
+        self.last_used[stale] = EMPTY
+        if self.slot_of.numel() > length:
+            self.slot_of[length:] = EMPTY
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.slot_pos, self.last_used, self.slot_of))
+
+
+@dataclass
+class Plan:
+    """Where each requested position's row comes from this step.
+
+    positions [U]; slot [U] (hot slot id, or -1 for a transient miss); hit [U] bool.
+    fill_slots / fill_positions: the misses copied into slots this step; transient_positions: the rest.
+    """
+    positions: torch.Tensor
+    slot: torch.Tensor
+    hit: torch.Tensor
+    fill_slots: torch.Tensor
+    fill_positions: torch.Tensor
+
+    @property
+    def n_hits(self) -> int:
+        return int(self.hit.sum())
+
+    @property
+    def n_misses(self) -> int:
+        return self.positions.numel() - self.n_hits
+
+
+def resolve(state: HotState, positions: torch.Tensor, step: int) -> Plan:
+    """Resolve unique positions [U] (none resident) against the hot buffer at LRU time `step`; updates state."""
+    positions = positions.to(state.device)
+    state.ensure_positions(int(positions.max()) + 1 if positions.numel() else 0)
+    slot = state.slot_of[positions].long()
+    hit = slot >= 0
+    state.last_used[slot[hit]] = step
+    miss_pos = positions[~hit]
+    # candidates: slots not hit this step, least recently used first (empty slots carry -1); stable on ties
+    stamp = state.last_used.clone()
+    stamp[slot[hit]] = torch.iinfo(torch.long).max
+    n_fill = min(miss_pos.numel(), state.n_slots - int(hit.sum()))
+    victims = torch.argsort(stamp, stable=True)[:n_fill]
+    evicted = state.slot_pos[victims]
+    state.slot_of[evicted[evicted >= 0]] = EMPTY
+    fill_pos = miss_pos[:n_fill]
+    state.slot_pos[victims] = fill_pos
+    state.slot_of[fill_pos] = victims.to(torch.int32)
+    state.last_used[victims] = step
+    miss_slot = torch.full_like(miss_pos, EMPTY)
+    miss_slot[:n_fill] = victims
+    slot[~hit] = miss_slot
+    return Plan(positions, slot, hit, victims, fill_pos)
