@@ -65,7 +65,9 @@ class HiSparseKV(LatentKV):
         return self.pool.token_capacity
 
     # ---- step lifecycle ----
-    def begin_step(self) -> None:
+    def begin_step(self, segments: list) -> None:
+        for seg in segments:   # allocate first: an exhausted pool fails before any row of the step is written
+            self.pool.ensure(seg.req, seg.start + seg.length)
         self.step += 1
         self.stats.steps += 1
         self.groups.clear()

@@ -112,8 +112,9 @@ class LatentKV(ABC):
     def gather(self, layer: int, req: Hashable, positions: torch.Tensor) -> torch.Tensor:
         """Rows [n, r + dR] (compute device and dtype) for `positions` [n] as read by `layer`."""
 
-    def begin_step(self) -> None:
-        """Called once before each model forward (HiSparse resets per-step counters here)."""
+    def begin_step(self, segments: list) -> None:
+        """Called once before each model forward with its segments (HiSparse allocates their pages here, so
+        running out of pool fails before any row is written)."""
 
     def end_step(self) -> None:
         """Called once after each model forward (HiSparse flushes eager backups here)."""

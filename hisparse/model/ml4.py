@@ -70,7 +70,7 @@ class ML4(nn.Module):
         positions = segment_positions(segments, self.device)
         cos, sin = rope_cos_sin(rope_frequencies(self.cfg, self.lerope.alpha), positions, self.dtype)
         b = AttentionBatch(segments, segment_slices(segments), positions, kv, cos, sin, {}, trace)
-        kv.begin_step()
+        kv.begin_step(segments)
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, b)

@@ -1,0 +1,140 @@
+"""HiSparseKV end to end: bit-identical to ResidentKV, pool accounting, exhaustion, geometry."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hisparse.engine.generate import greedy_generate
+from hisparse.gpu_working_set.hisparse_kv import HiSparseKV
+from hisparse.host_pool.layout import Geometry, RowLayout
+from hisparse.host_pool.pool import HostPool, PoolExhausted
+from hisparse.model.batch import Segment
+from hisparse.model.config import preset, preset_params
+from hisparse.model.kv import ResidentKV
+from hisparse.model.tiny import random_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    p = preset_params("tiny")
+    p["max_position_embeddings"] = 1 << 16
+    return random_model(p, seed=int(torch.randint(0, 10_000, ()).item()))
+
+
+def small_hisparse(cfg, layout, **kw):
+    args = dict(host_pool_gib=0.002, hot_buffer_tokens=16, resident_window=8, page_tokens=16)
+    args.update(kw)
+    return HiSparseKV(cfg, layout, **args)
+
+
+@pytest.mark.parametrize("layout", ["fp8_ds_mla", "bf16"])
+def test_on_equals_off_bit_identical(model, layout):
+    """A prompt ~15x the hot buffer, 64 greedy tokens: same tokens and bit-identical logits."""
+    prompt = torch.randint(0, model.cfg.vocab_size, (240,)).tolist()
+    off = greedy_generate(model, ResidentKV(model.cfg, layout), prompt, 64, chunk=53, keep_logits=True)
+    kv = small_hisparse(model.cfg, layout)
+    on = greedy_generate(model, kv, prompt, 64, chunk=53, keep_logits=True)
+    assert on.tokens == off.tokens
+    assert all(torch.equal(a, b) for a, b in zip(on.logits, off.logits))
+    s = kv.stats
+    assert s.misses > 1000 and s.hits > 0 and s.overlapped_copies > 0     # the host pool really served rows
+    assert s.host_to_device_bytes == s.misses * RowLayout.for_config(model.cfg, layout).row_bytes
+    assert kv.pool.pages_used == 0 and not kv.hot_state and not kv.windows   # all returned
+
+
+def test_batched_requests_match_resident(model):
+    """Two requests interleaved in one forward per step (plus a sharer/consumer-heavy config) match."""
+    cfg = model.cfg
+    kvs = [ResidentKV(cfg, "fp8_ds_mla"), small_hisparse(cfg, "fp8_ds_mla")]
+    prompts = [torch.randint(0, cfg.vocab_size, (n,)) for n in (90, 61)]
+    outs = []
+    for kv in kvs:
+        logits = []
+        for s in range(0, 90, 30):   # chunked prefill of both requests in one batch
+            segs, toks = [], []
+            for r, p in enumerate(prompts):
+                if s < len(p):
+                    n = min(30, len(p) - s)
+                    segs.append(Segment(r, s, n))
+                    toks.append(p[s:s + n])
+            logits.append(model(torch.cat(toks), segs, kv))
+        pos = [len(p) for p in prompts]
+        for _ in range(20):          # decode both requests together
+            nxt = logits[-1].argmax(-1)[-2:] if len(logits[-1]) >= 2 else None
+            toks = torch.stack([nxt[0], nxt[1]])
+            logits.append(model(toks, [Segment(0, pos[0], 1), Segment(1, pos[1], 1)], kv))
+            pos = [q + 1 for q in pos]
+        outs.append(logits)
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+def test_resident_positions_never_take_a_slot(model):
+    kv = small_hisparse(model.cfg, "bf16", sink_tokens=4)
+    prompt = torch.randint(0, model.cfg.vocab_size, (120,)).tolist()
+    from hisparse.engine.generate import prefill
+    prefill(model, kv, "r", prompt, chunk=17)
+    lo = kv.bounds["r"].lo
+    for state in kv.hot_state.values():
+        held = state.slot_pos[state.slot_pos >= 0]
+        assert held.numel() > 0 and bool(((held >= 4) & (held < lo)).all())
+    kv.release("r")
+
+
+def test_cancel_and_finish_return_pool_to_baseline(model):
+    kv = small_hisparse(model.cfg, "fp8_ds_mla")
+    base = kv.pool.pages_used
+    from hisparse.engine.generate import prefill
+    assert kv.reserve("a", 200)
+    prefill(model, kv, "a", torch.randint(0, 512, (100,)).tolist(), chunk=40)   # "cancelled" mid-request
+    assert kv.pool.pages_used > base and kv.usage_ratio() > 0
+    kv.release("a")
+    assert kv.pool.pages_used == base and kv.usage_ratio() == 0 and not kv.index_cache.buffers
+
+
+def test_exhaustion_is_named_and_leaves_others_untouched(model):
+    cfg = model.cfg
+    kv = small_hisparse(cfg, "fp8_ds_mla", host_pool_gib=16 * 7 * 56 * 12 / 2**30)   # exactly 12 pages
+    assert kv.pool.n_pages == 12
+    prompt_a = torch.randint(0, 512, (100,)).tolist()
+    from hisparse.engine.generate import prefill
+    ref = greedy_generate(model, ResidentKV(cfg, "fp8_ds_mla"), prompt_a, 10, chunk=50).tokens
+    prefill(model, kv, "a", prompt_a[:50], chunk=50)                # a holds 4 pages
+    with pytest.raises(PoolExhausted, match="host pool exhausted"):
+        prefill(model, kv, "b", torch.randint(0, 512, (200,)).tolist(), chunk=200)   # needs 13 pages
+    assert "b" not in kv.pool.tables and kv.pool.pages_used == 4
+    kv.release("b")
+    # a continues unharmed and gives the same tokens as an all-resident run
+    logits = prefill(model, kv, "a", prompt_a, chunk=50, start=50)
+    toks, pos = [], len(prompt_a)
+    for _ in range(10):
+        toks.append(int(logits.argmax()))
+        logits = model(torch.tensor([toks[-1]]), [Segment("a", pos, 1)], kv)[0]
+        pos += 1
+    assert toks == ref
+
+
+def test_reservation_admission(model):
+    kv = small_hisparse(model.cfg, "fp8_ds_mla", host_pool_gib=16 * 7 * 56 * 12 / 2**30)
+    assert kv.token_capacity() == 12 * 16
+    assert kv.reserve("a", 100)            # 7 pages
+    assert not kv.reserve("b", 100)        # 7 more do not fit now
+    assert kv.can_ever_admit(150) and not kv.can_ever_admit(12 * 16 + 1)
+    kv.release("a")
+    assert kv.reserve("b", 100)
+
+
+def test_full_geometry_and_consumer_binding():
+    cfg = preset("full")
+    g = Geometry.of(cfg)
+    assert (g.row_bytes, g.latent_bytes_per_token, g.total_bytes_per_token) == (656, 41_328, 47_136)
+    assert abs(g.sharing_gain - (72 / 63 - 1)) < 1e-12
+    pool = HostPool(cfg, RowLayout.for_config(cfg, "fp8_ds_mla"), host_pool_gib=0.1, page_tokens=64, pin=False)
+    assert pool.page_bytes / pool.page_tokens == 41_328                     # row size x KV-owning layers
+    assert pool.buffer.shape[0] == 63                                       # consumers cost zero bytes
+    pool.ensure("r", pool.token_capacity)
+    assert pool.metadata_bytes() / pool.nbytes < 0.005
+    for consumer in (39, 43, 71):                                           # bound to layer 35's rows
+        assert pool.layer_view(consumer).data_ptr() == pool.layer_view(35).data_ptr()
+    assert pool.layer_view(36).data_ptr() != pool.layer_view(35).data_ptr()
