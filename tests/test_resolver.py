@@ -60,10 +60,7 @@ def test_resolver_matches_lru_model(steps: list[list[int]], n_slots: int) -> Non
         held = state.slot_pos[state.slot_pos >= 0]
         assert held.unique().numel() == held.numel()
         assert set(held.tolist()) == set(model.map)
-        for s in range(n_slots):
-            p = int(state.slot_pos[s])
-            if p >= 0:
-                assert int(state.slot_of[p]) == s
+        assert torch.equal(state.lookup(held), (state.slot_pos >= 0).nonzero().squeeze(1))
 
 
 def test_overflow_misses_are_transient() -> None:

@@ -28,9 +28,13 @@ DEFAULT_SINKS = 4
 
 @dataclass
 class GroupStep:
-    """One (request, index group) in one step: the plan and each member layer's rows for it."""
-    plan: Plan
-    rows: dict[int, tuple[torch.Tensor, object | None]] = field(default_factory=dict)   # layer -> (rows, event)
+    """One (request, index group) in one step: its positions [U], which of them were written this step, and
+    each member layer's rows (window + hot + misses, filled at the owner) with the event to wait on."""
+    positions: torch.Tensor
+    start: int                                   # first position written this step
+    step_idx: torch.Tensor                       # indices into positions of rows written this step
+    n_misses: int = 0
+    rows: dict[int, tuple[torch.Tensor, object | None]] = field(default_factory=dict)
 
 
 class HiSparseKV(LatentKV):
@@ -110,61 +114,66 @@ class HiSparseKV(LatentKV):
         self.stats.device_to_host_bytes += data.numel()
 
     def gather(self, layer: int, req: Hashable, positions: torch.Tensor) -> torch.Tensor:
-        src = self.source(layer)
-        positions = positions.to(self.device)
-        out = torch.empty(positions.numel(), self.layout.row_bytes, dtype=torch.uint8, device=self.device)
-        start = self.step_start.get(req, self.bounds[req].length if req in self.bounds else 0)
-        in_step = positions >= start
-        if in_step.any():
-            out[in_step] = self.step_rows[(src, req)][positions[in_step] - start]
-        bounds = self.bounds.get(req)
-        in_win = ~in_step & (bounds.contains(positions) if bounds is not None else torch.zeros_like(in_step))
-        if in_win.any():
-            out[in_win] = self.window_of(src, req).read(positions[in_win])
-        rest = ~(in_step | in_win)
-        if rest.any():
-            rows, event = self.resolve_rows(layer, req, positions[rest])
-            self.copier.wait(event)
-            out[rest] = rows
-        self.stats.hits += int((in_step | in_win).sum())
-        return self.decode(out)
-
-    def resolve_rows(self, layer: int, req: Hashable, positions: torch.Tensor) -> tuple[torch.Tensor, object]:
-        """Rows of non-resident positions for `layer`: the group owner plans and prefetches for all members."""
         group = self.cfg.layers[layer].index_source
         g = self.groups.get((group, req))
         if g is None:
+            g = self.groups[(group, req)] = self.plan_group(group, req, positions.to(self.device))
+        elif not torch.equal(g.positions, positions.to(self.device)):
+            raise RuntimeError(f"layer {layer}: selection differs from its index group owner {group}")
+        rows, event = g.rows.pop(layer)
+        self.copier.wait(event)
+        if g.step_idx.numel():     # rows written earlier in this very forward
+            rows[g.step_idx] = self.step_rows[(self.source(layer), req)][g.positions[g.step_idx] - g.start]
+        self.stats.hits += g.positions.numel() - g.n_misses
+        self.stats.misses += g.n_misses
+        self.stats.host_to_device_bytes += g.n_misses * self.layout.row_bytes
+        return self.decode(rows)
+
+    def plan_group(self, group: int, req: Hashable, positions: torch.Tensor) -> GroupStep:
+        """At the index group owner: split positions into this step's rows, resident window and the rest;
+        resolve the rest against the group's hot buffer once; issue every member's window reads and miss
+        copies now, so the followers' copies overlap the owner's attention."""
+        bounds = self.bounds.get(req)
+        start = self.step_start.get(req, bounds.length if bounds is not None else 0)
+        in_step = positions >= start
+        in_win = ~in_step & bounds.contains(positions) if bounds is not None else torch.zeros_like(in_step)
+        rest = ~(in_step | in_win)
+        g = GroupStep(positions, start, in_step.nonzero().squeeze(1))
+        win_idx, rest_idx = in_win.nonzero().squeeze(1), rest.nonzero().squeeze(1)
+        plan = None
+        if rest_idx.numel():
             state = self.hot_state.get((group, req))
             if state is None:
                 state = self.hot_state[(group, req)] = HotState(self.n_slots, self.device)
-            g = self.groups[(group, req)] = GroupStep(resolve(state, positions, self.step))
-            for member in self.members[group]:
-                g.rows[member] = self.fetch(member, req, g.plan)
-                if member != layer:
-                    self.stats.overlapped_copies += g.plan.n_misses
-        elif not torch.equal(g.plan.positions, positions):
-            raise RuntimeError(f"layer {layer}: selection differs from its index group owner {group}")
-        self.stats.hits += g.plan.n_hits
-        self.stats.misses += g.plan.n_misses
-        self.stats.host_to_device_bytes += g.plan.n_misses * self.layout.row_bytes
-        return g.rows.pop(layer)
+            plan = resolve(state, positions[rest_idx], self.step)
+            g.n_misses = plan.n_misses
+        for member in self.members[group]:
+            src = self.source(member)
+            out = torch.empty(positions.numel(), self.layout.row_bytes, dtype=torch.uint8, device=self.device)
+            with self.copier.side() as done:
+                if win_idx.numel():
+                    out[win_idx] = self.window_of(src, req).read(positions[win_idx])
+                if plan is not None:
+                    out[rest_idx] = self.fetch(member, req, plan)
+            g.rows[member] = (out, done[0] if done else None)
+            if member != group:
+                self.stats.overlapped_copies += g.n_misses
+        return g
 
-    def fetch(self, layer: int, req: Hashable, plan: Plan) -> tuple[torch.Tensor, object | None]:
-        """One layer's rows for a plan, issued on the copy stream: hits from its hot slots, misses copied
-        host -> device (and into their LRU slots). Returns (rows, event the reader waits on)."""
+    def fetch(self, layer: int, req: Hashable, plan: Plan) -> torch.Tensor:
+        """One layer's rows for a plan (call on the copy stream): hits from its hot slots, misses copied
+        host -> device and into their LRU slots."""
         data = self.hot_data.get((layer, req))
         if data is None:
             data = self.hot_data[(layer, req)] = torch.zeros(self.n_slots, self.layout.row_bytes,
                                                              dtype=torch.uint8, device=self.device)
         miss = ~plan.hit
+        fetched = self.copier.to_device(self.pool.layer_view(layer), self.pool.rows_of(req, plan.positions[miss]))
         out = torch.empty(plan.positions.numel(), self.layout.row_bytes, dtype=torch.uint8, device=self.device)
-        with self.copier.side() as done:
-            fetched = self.copier.to_device(self.pool.layer_view(layer),
-                                            self.pool.rows_of(req, plan.positions[miss].cpu()))
-            out[plan.hit] = data[plan.slot[plan.hit]]
-            out[miss] = fetched
-            data[plan.fill_slots] = fetched[: plan.fill_slots.numel()]
-        return out, (done[0] if done else None)
+        out[plan.hit] = data[plan.slot[plan.hit]]
+        out[miss] = fetched
+        data[plan.fill_slots] = fetched[: plan.fill_slots.numel()]
+        return out
 
     def truncate(self, req: Hashable, length: int) -> None:
         if req in self.bounds:

@@ -17,30 +17,30 @@ EMPTY = -1
 
 
 class HotState:
-    """Slot metadata of one hot buffer: slot -> position, position -> slot, LRU stamps."""
+    """Slot metadata of one hot buffer: the position each slot holds and its LRU stamp. Lookups sort the N
+    slot positions (no per-position table), so device metadata stays flat as the context grows."""
 
     def __init__(self, n_slots: int, device: torch.device):
         self.n_slots, self.device = n_slots, device
         self.slot_pos = torch.full((n_slots,), EMPTY, dtype=torch.long, device=device)
         self.last_used = torch.full((n_slots,), EMPTY, dtype=torch.long, device=device)
-        self.slot_of = torch.full((0,), EMPTY, dtype=torch.int32, device=device)   # by position
 
-    def ensure_positions(self, n: int) -> None:
-        if self.slot_of.numel() < n:
-            grown = torch.full((max(n, 2 * self.slot_of.numel()),), EMPTY, dtype=torch.int32, device=self.device)
-            grown[: self.slot_of.numel()] = self.slot_of
-            self.slot_of = grown
+    def lookup(self, positions: torch.Tensor) -> torch.Tensor:
+        """Slot holding each position [U], or EMPTY."""
+        if self.n_slots == 0:
+            return torch.full_like(positions, EMPTY)
+        held, order = torch.sort(self.slot_pos)
+        idx = torch.searchsorted(held, positions).clamp(max=self.n_slots - 1)
+        return torch.where(held[idx] == positions, order[idx], EMPTY)
 
     def drop_from(self, length: int) -> None:
         """Forget every slot holding a position >= length (rollback)."""
         stale = self.slot_pos >= length
         self.slot_pos[stale] = EMPTY
         self.last_used[stale] = EMPTY
-        if self.slot_of.numel() > length:
-            self.slot_of[length:] = EMPTY
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.slot_pos, self.last_used, self.slot_of))
+        return sum(t.numel() * t.element_size() for t in (self.slot_pos, self.last_used))
 
 
 @dataclass
@@ -68,8 +68,7 @@ class Plan:
 def resolve(state: HotState, positions: torch.Tensor, step: int) -> Plan:
     """Resolve unique positions [U] (none resident) against the hot buffer at LRU time `step`; updates state."""
     positions = positions.to(state.device)
-    state.ensure_positions(int(positions.max()) + 1 if positions.numel() else 0)
-    slot = state.slot_of[positions].long()
+    slot = state.lookup(positions)
     hit = slot >= 0
     state.last_used[slot[hit]] = step
     miss_pos = positions[~hit]
@@ -78,11 +77,8 @@ def resolve(state: HotState, positions: torch.Tensor, step: int) -> Plan:
     stamp[slot[hit]] = torch.iinfo(torch.long).max
     n_fill = min(miss_pos.numel(), state.n_slots - int(hit.sum()))
     victims = torch.argsort(stamp, stable=True)[:n_fill]
-    evicted = state.slot_pos[victims]
-    state.slot_of[evicted[evicted >= 0]] = EMPTY
     fill_pos = miss_pos[:n_fill]
     state.slot_pos[victims] = fill_pos
-    state.slot_of[fill_pos] = victims.to(torch.int32)
     state.last_used[victims] = step
     miss_slot = torch.full_like(miss_pos, EMPTY)
     miss_slot[:n_fill] = victims

@@ -89,7 +89,7 @@ class HostPool:
     def rows_of(self, req: Hashable, positions: torch.Tensor) -> torch.Tensor:
         """Flat row ids (into a layer view) of positions [n] of req."""
         table = self.tables[req]
-        positions = positions.to(table.device)
+        positions = positions.to(table.device, non_blocking=True)
         return table[positions // self.page_tokens] * self.page_tokens + positions % self.page_tokens
 
     # ---- data ----

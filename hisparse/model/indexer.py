@@ -29,25 +29,28 @@ def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Exact stable top-k of each row of scores [T, S] (invisible keys = -inf).
 
     Returns [T, min(k, S)] selected positions, ascending, -1 padded. Batched torch ops only: a threshold
-    from torch.topk, then ties at the threshold are taken in position order via a cumulative count.
+    from torch.topk; keys above it are taken, and ties at it in position order (a cumulative count, computed
+    only on the rows that have more ties than room).
     """
     T, S = scores.shape
     width = min(k, S)
-    visible = scores > float("-inf")
-    if S <= k:
-        mask = visible
-    else:
-        thr = torch.topk(scores, k, dim=1, sorted=False).values.min(dim=1, keepdim=True).values
-        gt = scores > thr
+    mask = scores > float("-inf")
+    if S > k:
+        top = torch.topk(scores, k, dim=1, sorted=False).values
+        thr = top.min(dim=1, keepdim=True).values
         eq = scores == thr
-        need = k - gt.sum(1, keepdim=True)
-        mask = (gt | (eq & (eq.cumsum(1) <= need))) & visible
-    rank = mask.cumsum(1) - 1
-    out = torch.full((T, width + 1), -1, dtype=torch.long, device=scores.device)
-    col = torch.where(mask, rank, torch.full_like(rank, width))
-    pos = torch.arange(S, device=scores.device).expand(T, S)
-    out.scatter_(1, col, torch.where(mask, pos, torch.full_like(pos, -1)))
-    return out[:, :width]
+        mask &= scores >= thr
+        need = k - torch.count_nonzero(top > thr, dim=1)        # every key above thr is in the top-k
+        crowded = (torch.count_nonzero(eq, dim=1) > need).nonzero().squeeze(1)   # rows with ties to drop
+        if crowded.numel():
+            eq_c = eq[crowded]
+            mask[crowded] &= ~eq_c | (eq_c.cumsum(1) <= need[crowded, None])
+    row, col = mask.nonzero(as_tuple=True)                         # row-major: columns ascending per row
+    counts = torch.bincount(row, minlength=T)
+    rank = torch.arange(row.numel(), device=scores.device) - (counts.cumsum(0) - counts)[row]
+    out = torch.full((T, width), -1, dtype=torch.long, device=scores.device)
+    out[row, rank] = col
+    return out
 
 
 class Indexer(nn.Module):
@@ -91,7 +94,8 @@ class Indexer(nn.Module):
 
     def scores(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """I[t, s] = sum_h (w[t,h]/sqrt(HI)) relu(<Q[t,h], K[s]>/sqrt(dI)), -inf where s > p_t: [T, S]."""
-        dots = torch.einsum("thd,sd->ths", q, keys) / math.sqrt(self.head_dim)
-        scores = torch.einsum("ths,th->ts", torch.relu(dots), w / math.sqrt(self.n_heads))
+        dots = torch.relu_(torch.einsum("thd,sd->ths", q, keys))
+        # relu(x)/c == relu(x/c) for c > 0: both scales are applied to the head weights
+        scores = torch.einsum("ths,th->ts", dots, w / (math.sqrt(self.head_dim) * math.sqrt(self.n_heads)))
         s_idx = torch.arange(keys.shape[0], device=keys.device)
         return scores.masked_fill(s_idx[None, :] > positions[:, None], float("-inf"))
