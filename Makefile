@@ -1,16 +1,17 @@
 # The two set-up commands of the README. Both create .venv (torch==2.13.0 CPU build) and install hisparse.
+# `make demo` serves the built-in tiny checkpoint on http://127.0.0.1:8000/v1 until Ctrl-C.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
 $(BIN)/hisparse: pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[server,test]'
 	touch $@
 
 .PHONY: demo test
 demo: $(BIN)/hisparse
-	$(BIN)/hisparse generate --prompt "hello" --max-tokens 8
+	$(BIN)/hisparse serve
 
 test: $(BIN)/hisparse
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q

@@ -1,4 +1,4 @@
-"""`hisparse` command line: make-tiny, generate, logits (serve and the rest join as they land)."""
+"""`hisparse` command line: make-tiny, generate, logits, serve."""
 
 from __future__ import annotations
 
@@ -10,11 +10,18 @@ import numpy as np
 import torch
 
 
-def _ids(text: str) -> list[int]:
+def _ids(text: str, vocab_size: int) -> list[int]:
+    """--prompt-ids: comma-separated token ids, at least one, each in [0, vocab_size)."""
     try:
-        return [int(t) for t in text.split(",") if t.strip()]
+        ids = [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
         raise SystemExit(f"--prompt-ids: expected comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise SystemExit("--prompt-ids: empty")
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise SystemExit(f"--prompt-ids: token id {bad[0]} outside the vocabulary [0, {vocab_size})")
+    return ids
 
 
 def _model_dir(arg: str | None) -> Path:
@@ -53,7 +60,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     model = load_model(model_dir, device=args.device)
     tok = None
     if args.prompt_ids is not None:
-        prompt = _ids(args.prompt_ids)
+        prompt = _ids(args.prompt_ids, model.cfg.vocab_size)
     else:
         from .model.tokenizer import load_tokenizer
         tok = load_tokenizer(model_dir).instruct_tokenizer.tokenizer
@@ -78,11 +85,16 @@ def cmd_logits(args: argparse.Namespace) -> None:
     from .model.kv import ResidentKV
     from .model.weights import load_model
     model = load_model(_model_dir(args.model), device=args.device)
-    ids = _ids(args.prompt_ids)
+    ids = _ids(args.prompt_ids, model.cfg.vocab_size)
     kv = ResidentKV(model.cfg, layout=None, device=args.device)
     logits = model(torch.tensor(ids, device=args.device), [Segment(0, 0, len(ids))], kv)
     np.save(args.out, logits.float().cpu().numpy())
     print(f"wrote logits {tuple(logits.shape)} to {args.out}")
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    from .server.serve import serve
+    serve(args, _model_dir(args.model), lambda cfg: make_kv(args, cfg))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -112,6 +124,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--device", default="cpu")
     p.set_defaults(fn=cmd_logits)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)")
+    p.add_argument("--model", default=None, help="checkpoint dir (default: the built-in tiny checkpoint)")
+    p.add_argument("--served-model-name", default=None, help="model name clients use (default: the dir name)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + max_tokens limit per request (default: what the model and KV cache allow)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="requests decoding at once")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per forward step")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--debug-hooks", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    add_kv_args(p)
+    p.set_defaults(fn=cmd_serve)
     return ap
 
 

@@ -1,0 +1,183 @@
+"""Decode throughput vs concurrency at one fixed device-memory budget: HiSparse vs all-resident KV.
+
+Both engines get the same device budget B (bytes), set to what `--budget-requests` all-resident requests of
+prompt + max_tokens tokens need. A request's device bytes are, with `--kv-offload none`, its latent rows
+(the layout's row bytes x KV-owning layers, per token) plus its indexer keys (fp8 + scale x indexer layers, per
+token); with HiSparse, the same indexer keys plus its working set on the device (resident window + hot slots,
+measured from `HiSparseKV.device_bytes` while it runs). `none` therefore admits B / (its bytes) requests at once
+(ResidentKV's token budget; the rest wait in the queue) and HiSparse B / (its bytes) (max_num_seqs).
+
+At each concurrency C the engine gets C long prompts; once every admitted request has prefilled, `--decode-steps`
+pure decode steps are timed: decode tokens/s = generated tokens / their wall time. Writes JSON and a PNG.
+
+    python benchmarks/throughput/run.py [--preset small] [--prompt-len 2048] [--concurrency 1,2,4,8,16,32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from hisparse.engine.engine import Engine
+from hisparse.engine.kv_factory import build_kv
+from hisparse.engine.request import SamplingParams
+from hisparse.engine.scheduler import SchedulerConfig
+from hisparse.host_pool.layout import RowLayout, index_row_bytes
+from hisparse.model.config import preset_params
+from hisparse.model.kv import ResidentKV
+from hisparse.model.tiny import random_model
+
+
+def per_token_bytes(cfg, layout: str) -> tuple[int, int]:
+    """(latent bytes, indexer-key bytes) one token of context costs on the device when resident."""
+    return (RowLayout.for_config(cfg, layout).row_bytes * len(cfg.kv_owner_layers),
+            index_row_bytes(cfg) * len(cfg.index_owner_layers))
+
+
+def measure(engine: Engine, prompts: list[list[int]], params: SamplingParams, warmup: int, steps: int,
+            on_running=None) -> dict:
+    """Prefill every admitted request, then time `steps` pure decode steps."""
+    for p in prompts:
+        engine.add_request(p, params)
+    t0 = time.perf_counter()
+    decode_seen = 0
+    while decode_seen < warmup:
+        st = engine.step()
+        decode_seen = decode_seen + 1 if st.prompt_tokens == 0 and st.generation_tokens else 0
+    prefill_s = time.perf_counter() - t0
+    if on_running is not None:
+        on_running()
+    tokens, t0 = 0, time.perf_counter()
+    for _ in range(steps):
+        st = engine.step()
+        assert st.prompt_tokens == 0, "a prefill chunk entered the timed window; raise max_tokens"
+        tokens += st.generation_tokens
+    dt = time.perf_counter() - t0
+    running = st.num_running
+    for r in list(engine.scheduler.running) + list(engine.scheduler.waiting):
+        engine.abort(r.id)
+    engine.step()
+    return {"decode_tokens_per_s": tokens / dt, "decode_tokens": tokens, "decode_s": dt, "running": running,
+            "step_ms": 1000 * dt / steps, "prefill_s": prefill_s}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--prompt-len", type=int, default=2048)
+    ap.add_argument("--concurrency", default="1,2,4,8,16")
+    ap.add_argument("--budget-requests", type=int, default=4, help="device budget = this many resident requests")
+    ap.add_argument("--decode-steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--kv-layout", default="fp8_ds_mla")
+    ap.add_argument("--hot-buffer-tokens", type=int, default=None)
+    ap.add_argument("--resident-window", type=int, default=None)
+    ap.add_argument("--chunk", type=int, default=1024, help="max tokens per forward (prefill chunk budget)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="results/throughput")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    conc = [int(c) for c in args.concurrency.split(",")]
+    model = random_model(preset_params(args.preset), args.seed).to(args.device)
+    cfg = model.cfg
+    # room for the prefill steps of the last admitted request plus the timed window, so none finishes inside it
+    max_tokens = args.warmup + args.decode_steps + 4 + -(-max(conc) * args.prompt_len // args.chunk)
+    length = args.prompt_len + max_tokens
+    latent_tok, index_tok = per_token_bytes(cfg, args.kv_layout)
+    none_req = length * (latent_tok + index_tok)
+    budget = args.budget_requests * none_req
+    g = torch.Generator().manual_seed(args.seed)
+    prompts = [torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=g).tolist() for _ in range(max(conc))]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    sched = dict(max_model_len=length, max_num_batched_tokens=max(args.chunk, max(conc)))
+
+    def hisparse_kv():
+        return build_kv(cfg, "hisparse", args.kv_layout, args.device, host_pool_gib=max(1.0, 2 * max(conc) * length
+                        * latent_tok / 2**30), hot_buffer_tokens=args.hot_buffer_tokens,
+                        resident_window=args.resident_window)
+
+    # HiSparse device bytes per request, measured on one running request
+    kv = hisparse_kv()
+    eng = Engine(model, kv, SchedulerConfig(max_num_seqs=1, **sched))
+    seen = {}
+    measure(eng, prompts[:1], params, args.warmup, 1,
+            lambda: seen.update(kv.device_bytes(eng.scheduler.running[0].id)))
+    hs_req = seen["latent"] + seen.get("hot_metadata", 0) + length * index_tok
+    limits = {"none": budget // none_req, "hisparse": budget // hs_req}
+    print(f"device budget {budget / 2**20:.1f} MiB: none {none_req / 2**20:.2f} MiB/request -> {limits['none']} "
+          f"requests; hisparse {hs_req / 2**20:.2f} MiB/request -> {limits['hisparse']} requests", flush=True)
+
+    rows = []
+    for mode in ("none", "hisparse"):
+        for c in conc:
+            if mode == "none":
+                kv = ResidentKV(cfg, args.kv_layout, args.device, budget_tokens=limits["none"] * length)
+                seqs = c
+            else:
+                kv = hisparse_kv()
+                seqs = min(c, limits["hisparse"])
+            eng = Engine(model, kv, SchedulerConfig(max_num_seqs=max(1, seqs), **sched))
+            r = measure(eng, prompts[:c], params, args.warmup, args.decode_steps)
+            r.update(mode=mode, concurrency=c)
+            rows.append(r)
+            print(f"{mode:8s} C={c:3d} running={r['running']:3d} decode {r['decode_tokens_per_s']:8.1f} tok/s "
+                  f"(step {r['step_ms']:.0f} ms, prefill {r['prefill_s']:.1f} s)", flush=True)
+
+    result = summarize({
+        "benchmark": "decode tokens/s vs concurrency at a fixed device budget", "preset": args.preset,
+        "prompt_len": args.prompt_len, "kv_layout": args.kv_layout, "device": args.device,
+        "machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+        "device_budget_bytes": budget, "bytes_per_request": {"none": none_req, "hisparse": hs_req},
+        "hisparse_device_bytes_measured": seen, "max_concurrent": limits, "rows": rows})
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "throughput.json").write_text(json.dumps(result, indent=2))
+    print(f"hisparse/none decode tokens/s at C={result['ratio_at']} (none saturated at "
+          f"{limits['none']}): {result['ratio']:.2f}x; peak vs peak {result['ratio_peak_vs_peak']:.2f}x; "
+          f"concurrent requests at this budget {result['capacity_ratio']:.2f}x")
+    plot(result, out / "throughput.png")
+    print(f"wrote {out / 'throughput.json'} and {out / 'throughput.png'}")
+
+
+def summarize(result: dict) -> dict:
+    """Add the ratios: at the largest concurrency (past none's saturation), peak vs peak, and capacity."""
+    tps = {(r["mode"], r["concurrency"]): r["decode_tokens_per_s"] for r in result["rows"]}
+    conc = sorted({c for _, c in tps})
+    c_max = conc[-1]
+    lim = result["max_concurrent"]
+    result.update(ratio_at=c_max, ratio=tps[("hisparse", c_max)] / tps[("none", c_max)],
+                  ratio_peak_vs_peak=max(tps[("hisparse", c)] for c in conc) / max(tps[("none", c)] for c in conc),
+                  capacity_ratio=lim["hisparse"] / lim["none"])
+    return result
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode, style in (("none", "o--"), ("hisparse", "s-")):
+        pts = sorted((r["concurrency"], r["decode_tokens_per_s"]) for r in result["rows"] if r["mode"] == mode)
+        ax.plot(*zip(*pts), style, label=f"{mode} (max {result['max_concurrent'][mode]} on device)")
+    ax.axvline(result["max_concurrent"]["none"], color="grey", lw=0.8, ls=":")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title(f"{result['preset']} preset, {result['prompt_len']}-token prompts, "
+                 f"{result['device_budget_bytes'] / 2**20:.0f} MiB device budget ({result['device']})")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

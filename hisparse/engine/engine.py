@@ -1,0 +1,206 @@
+"""The engine: one thread owns the model and the KV store and runs scheduler steps; other threads submit.
+
+`add_request` / `abort` are thread-safe (they go through an inbox queue); outputs are pushed to each request's
+`sink` from the engine thread. `generate` runs requests to completion synchronously (tests, benchmarks).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..model.kv import KVStats, LatentKV
+from ..model.ml4 import ML4
+from .detokenizer import TextStream
+from .request import Request, RequestError, RequestOutput, SamplingParams, Status
+from .runner import ModelRunner
+from .sampling import SamplingBatch, sample
+from .scheduler import Scheduler, SchedulerConfig
+
+log = logging.getLogger("hisparse.engine")
+
+
+@dataclass
+class StepStats:
+    """What one step did, for metrics (passed to `Engine.on_step` from the engine thread)."""
+    num_running: int
+    num_waiting: int
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    ttft: list[float] = field(default_factory=list)            # seconds, requests that got their first token
+    tpot: list[float] = field(default_factory=list)            # seconds between consecutive output tokens
+    finished: list[str] = field(default_factory=list)          # finish reasons
+    kv_stats: KVStats = field(default_factory=KVStats)
+    kv_usage: float = 0.0                 # LatentKV.usage_ratio()
+    kv_reserved_tokens: int = 0           # tokens reserved by admitted requests (0 when all are done)
+    kv_index_cache_bytes: int = 0         # indexer keys held on the device (0 when all are done)
+
+
+class Engine:
+    def __init__(self, model: ML4, kv: LatentKV, cfg: SchedulerConfig, eos_id: int | None = None,
+                 decode: Callable[[list[int]], str] | None = None):
+        self.model, self.kv = model, kv
+        self.runner = ModelRunner(model, kv)
+        self.scheduler = Scheduler(cfg, kv)
+        self.eos_id, self.decode = eos_id, decode
+        self.vocab = model.cfg.vocab_size
+        self.on_step: Callable[[StepStats], None] | None = None
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.requests: dict[str, Request] = {}
+        self.streams: dict[str, TextStream] = {}
+        self._ids = itertools.count()
+        self._finished: list[str] = []   # finish reasons since the last step's stats (aborts land between steps)
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # ---- submission (any thread) ----
+    def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
+                    sink: Callable[[RequestOutput], None] | None = None) -> Request:
+        """Validate and queue a request; raises RequestError (naming the field) if it can never run."""
+        if not prompt:
+            raise RequestError("prompt: must contain at least one token", "prompt")
+        bad = [t for t in prompt if not 0 <= t < self.vocab]
+        if bad:
+            raise RequestError(f"prompt: token ids {bad[:8]} outside the vocabulary [0, {self.vocab})", "prompt")
+        params.validate(self.vocab)
+        if params.stop and self.decode is None:
+            raise RequestError("stop: stop strings need a tokenizer, and this engine has none", "stop")
+        req = Request(request_id or f"req-{next(self._ids)}", list(prompt), params, sink or (lambda out: None))
+        if params.seed is not None:
+            req.generator = torch.Generator(device=self.model.device).manual_seed(params.seed)
+        self.scheduler.check(req)
+        self.inbox.put(("add", req))
+        return req
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request; its pages and slots are freed at the start of the next step."""
+        self.inbox.put(("abort", request_id))
+
+    # ---- the loop (engine thread) ----
+    def has_work(self) -> bool:
+        return bool(self.scheduler.running or self.scheduler.waiting)
+
+    def _drain_inbox(self, block: bool = False) -> None:
+        while True:
+            try:
+                kind, arg = self.inbox.get(block=block)
+            except queue.Empty:
+                return
+            block = False
+            if kind == "add":
+                self.requests[arg.id] = arg
+                if self.decode is not None:
+                    self.streams[arg.id] = TextStream(self.decode, arg.params.stop)
+                self.scheduler.add(arg)
+            elif kind == "abort" and arg in self.requests:
+                self._finish(self.requests[arg], "abort")
+
+    def step(self) -> StepStats:
+        """Admit, run one forward, sample, and deliver outputs."""
+        self._drain_inbox()
+        stats = StepStats(0, 0)
+        plan = self.scheduler.schedule()
+        if plan is not None:
+            result = self.runner.execute(plan)
+            for req, err in result.failed:
+                log.exception("request %s failed", req.id, exc_info=err)
+                self._finish(req, "error", error=f"{type(err).__name__}: {err}")
+            for req, seg in result.ok:
+                req.num_computed += seg.length
+                stats.prompt_tokens += max(0, min(req.num_computed, len(req.prompt)) - seg.start)
+            if result.sample_reqs:
+                batch = SamplingBatch.from_requests(result.sample_reqs, self.vocab, result.logits.device)
+                tokens = sample(result.logits, batch).tolist()
+                now = time.monotonic()
+                for req, tok in zip(result.sample_reqs, tokens):
+                    self._append(req, tok, now, stats)
+        stats.finished, self._finished = self._finished, []
+        stats.num_running, stats.num_waiting = len(self.scheduler.running), len(self.scheduler.waiting)
+        stats.kv_stats, stats.kv_usage = self.kv.stats.snapshot(), self.kv.usage_ratio()
+        stats.kv_reserved_tokens = sum(self.kv.reserved.values())
+        stats.kv_index_cache_bytes = self.kv.index_cache.nbytes()
+        if self.on_step is not None:
+            self.on_step(stats)
+        return stats
+
+    def _append(self, req: Request, tok: int, now: float, stats: StepStats) -> None:
+        if req.first_token_time is None:
+            req.first_token_time = now
+            stats.ttft.append(now - req.arrival)
+        else:
+            stats.tpot.append(now - req.last_token_time)
+        req.last_token_time = now
+        req.output.append(tok)
+        stats.generation_tokens += 1
+        p = req.params
+        stream = self.streams.get(req.id)
+        delta = stream.push([tok]) if stream is not None else ""
+        if (tok == self.eos_id and not p.ignore_eos) or tok in p.stop_token_ids or (stream and stream.stopped):
+            self._finish(req, "stop", [tok], delta)
+        elif len(req.output) >= p.max_tokens:
+            self._finish(req, "length", [tok], delta)
+        else:
+            self._deliver(req, RequestOutput(req.id, [tok], delta, prompt_tokens=len(req.prompt),
+                                             output_tokens=len(req.output)))
+
+    @staticmethod
+    def _deliver(req: Request, out: RequestOutput) -> None:
+        try:
+            req.sink(out)
+        except Exception:   # noqa: BLE001 - a broken consumer must not stop the engine or its neighbours
+            log.exception("sink of request %s failed", req.id)
+
+    def _finish(self, req: Request, reason: str, new: list[int] | None = None, delta: str = "",
+                error: str | None = None) -> None:
+        """End a request: free its KV, then deliver the final output (remaining text included)."""
+        self.scheduler.remove(req)
+        req.finish_reason = reason
+        self.requests.pop(req.id, None)
+        stream = self.streams.pop(req.id, None)
+        if stream is not None:
+            delta += stream.flush()
+        self._finished.append(reason)
+        self._deliver(req, RequestOutput(req.id, new or [], delta, True, reason, error, len(req.prompt),
+                                         len(req.output)))
+
+    def _fail_all(self, err: Exception) -> None:
+        for req in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self._finish(req, "error", error=f"engine error: {type(err).__name__}: {err}")
+
+    def run_forever(self) -> None:
+        while not self._stopping:
+            try:
+                self._drain_inbox(block=not self.has_work())
+                if not self._stopping:
+                    self.step()
+            except Exception as e:   # noqa: BLE001 - keep serving; fail what was in flight
+                log.exception("engine step failed")
+                self._fail_all(e)
+
+    # ---- lifecycle ----
+    def start(self) -> None:
+        """Run the loop in a daemon thread (the only thread that touches the model and the KV store)."""
+        self._thread = threading.Thread(target=self.run_forever, name="hisparse-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self.inbox.put(("stop", None))
+        if self._thread is not None:
+            self._thread.join()
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+                 ) -> list[Request]:
+        """Run prompts to completion on the calling thread (the engine thread must not be running)."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        reqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        while self.has_work() or not self.inbox.empty():
+            self.step()
+        return reqs

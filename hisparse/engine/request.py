@@ -1,0 +1,100 @@
+"""One generation request as the engine tracks it: its tokens, sampling settings and lifecycle."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+
+class RequestError(ValueError):
+    """A request the engine cannot run; `field` names the offending setting, `status` the HTTP code to answer."""
+
+    def __init__(self, message: str, field: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.field, self.status = field, status
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings (OpenAI names). temperature 0 = greedy; top_k 0 or -1 = off."""
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    forced_token_ids: tuple[int, ...] = ()   # debug hook: the first outputs are these ids (parser tests)
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise RequestError naming the first out-of-range field."""
+        if self.max_tokens < 1:
+            raise RequestError(f"max_tokens must be >= 1, got {self.max_tokens}", "max_tokens")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise RequestError(f"temperature must be in [0, 2], got {self.temperature}", "temperature")
+        if not 0.0 < self.top_p <= 1.0:
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        if self.top_k < -1:
+            raise RequestError(f"top_k must be -1 (off), 0 (off) or positive, got {self.top_k}", "top_k")
+        if any(not s for s in self.stop):
+            raise RequestError("stop: stop strings must be non-empty", "stop")
+        for name in ("stop_token_ids", "forced_token_ids"):
+            bad = [t for t in getattr(self, name) if not 0 <= t < vocab_size]
+            if bad:
+                raise RequestError(f"{name}: ids {bad} outside the vocabulary [0, {vocab_size})", name)
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestOutput:
+    """What the engine reports after a step for one request (delivered to the request's sink)."""
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool = False
+    finish_reason: str | None = None    # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+
+
+@dataclass(eq=False)
+class Request:
+    """Engine-side state. `num_computed` tokens of prompt + output have their KV written."""
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+    sink: Callable[[RequestOutput], None] = lambda out: None
+    output: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    @property
+    def total_len(self) -> int:
+        """Tokens whose ids are known (prompt + sampled)."""
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def max_len(self) -> int:
+        """Positions the request may ever occupy; reserved in the KV store at admission."""
+        return len(self.prompt) + self.params.max_tokens
+
+    def token_slice(self, start: int, n: int) -> list[int]:
+        """Token ids at positions [start, start + n) of prompt + output (no copy of the whole sequence)."""
+        p = len(self.prompt)
+        return self.prompt[start:start + n] + self.output[max(0, start - p):max(0, start + n - p)]

@@ -1,0 +1,90 @@
+"""Continuous batching: FIFO admission by KV capacity, then per step every decode plus chunked prefill.
+
+A request reserves its whole length (prompt + max_tokens) in the KV store before it starts, so a running
+request can never run out of room mid-way and never evicts a neighbour. The head of the queue waits until
+the reservation fits (FIFO, so a long request is not starved by short ones); a request that could never fit
+is rejected at submission. Each step takes one token for every decoding request and spends the rest of the
+token budget on prefill chunks, oldest request first.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from ..model.batch import Segment
+from ..model.kv import LatentKV
+from .request import Request, RequestError, Status
+from .runner import ScheduledStep
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_model_len: int
+    max_num_seqs: int = 64              # requests running at once
+    max_num_batched_tokens: int = 512   # tokens per forward (decode tokens + prefill chunks)
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({self.max_num_seqs}) so every running request decodes each step")
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, kv: LatentKV):
+        self.cfg, self.kv = cfg, kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def check(self, req: Request) -> None:
+        """Reject a request that can never run (too long for the model or for the whole KV store)."""
+        n, p = req.max_len, len(req.prompt)
+        if n > self.cfg.max_model_len:
+            raise RequestError(
+                f"This model's maximum context length is {self.cfg.max_model_len} tokens. However, you requested "
+                f"{n} tokens ({p} in the prompt, {req.params.max_tokens} in the completion). Please reduce the "
+                "length of the prompt or max_tokens.", "max_tokens")
+        if not self.kv.can_ever_admit(n):
+            raise RequestError(
+                f"This request needs {n} tokens of KV ({p} prompt + {req.params.max_tokens} max_tokens) but the "
+                f"KV store holds at most {self.kv.token_capacity()} tokens.", "max_tokens")
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def remove(self, req: Request) -> None:
+        """Take a request out of the queues and free everything it holds in the KV store."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.release(req.id)
+        req.status = Status.FINISHED
+
+    def admit(self) -> None:
+        while self.waiting and len(self.running) < self.cfg.max_num_seqs:
+            req = self.waiting[0]
+            if not self.kv.reserve(req.id, req.max_len):
+                break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
+
+    def schedule(self) -> ScheduledStep | None:
+        """The next forward, or None when nothing can run."""
+        self.admit()
+        budget = self.cfg.max_num_batched_tokens
+        decode = [r for r in self.running if r.total_len - r.num_computed == 1]
+        prefill = [r for r in self.running if r.total_len - r.num_computed > 1]
+        step = ScheduledStep([], [], [])
+        for req in decode + prefill:
+            n = min(req.total_len - req.num_computed, budget)
+            if n <= 0:
+                break
+            step.reqs.append(req)
+            step.segments.append(Segment(req.id, req.num_computed, n))
+            step.tokens += req.token_slice(req.num_computed, n)
+            budget -= n
+        return step if step.reqs else None

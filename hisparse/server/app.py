@@ -1,0 +1,249 @@
+"""The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions (streaming and not), /v1/models,
+/health and /metrics. Errors use OpenAI's shape {"error": {"message", "type", "param", "code"}}."""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..engine.engine import Engine
+from ..engine.request import RequestError, RequestOutput
+from .chat import ChatEncoder
+from .engine_client import AsyncEngine
+from .metrics import Metrics
+from .output_parser import MarkerIds, OutputParser, ParsedDelta
+from .protocol import ChatRequest, CompletionRequest, SamplingFields, Usage, now
+
+log = logging.getLogger("hisparse.server")
+COMPLETION_DEFAULT_MAX_TOKENS = 16     # OpenAI's default for /v1/completions
+CHAT_DEFAULT_MAX_TOKENS = 1024         # chat has no OpenAI default; bounded so admission can reserve it
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model_name: str
+    max_model_len: int
+    api_key: str | None = None
+    debug_hooks: bool = False   # accept `debug_forced_token_ids` (tests of the output parsers)
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+
+def error_body(message: str, kind: str, param: str | None, code: str | None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(error_body(e.message, e.kind, e.param, e.code), status_code=e.status)
+
+
+def validation_error(e: RequestValidationError) -> APIError:
+    """FastAPI's body validation errors -> one 400 whose message and param name the first bad field."""
+    parts, param = [], None
+    for err in e.errors():
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        where = ".".join(loc)
+        if err.get("type") == "json_invalid":
+            parts.append(f"invalid JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}")
+            continue
+        param = param or where or None
+        parts.append(f"{where}: {err.get('msg')}" if where else f"body: {err.get('msg')}")
+    return APIError(400, "; ".join(parts) or "invalid request", param)
+
+
+def sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def build_app(engine: Engine, tokenizer: MistralTokenizer, cfg: ServerConfig) -> FastAPI:
+    metrics = Metrics()
+    engine.on_step = metrics.observe
+    text_tok = tokenizer.instruct_tokenizer.tokenizer
+    markers = MarkerIds.of(text_tok.get_special_token)
+    chat_encoder = ChatEncoder(tokenizer)
+    state: dict[str, AsyncEngine] = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state["client"] = AsyncEngine(engine)
+        yield
+        state["client"].shutdown()
+
+    app = FastAPI(title="hisparse", lifespan=lifespan)
+
+    # ---- errors ----
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        return error_response(e)
+
+    @app.exception_handler(RequestError)
+    async def _request_error(request: Request, e: RequestError):
+        return error_response(APIError(e.status, str(e), e.field))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, e: RequestValidationError):
+        return error_response(validation_error(e))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException):
+        return error_response(APIError(e.status_code, str(e.detail), code=str(e.status_code)))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception):
+        log.exception("unhandled error")
+        return error_response(APIError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error",
+                                       kind="server_error"))
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if cfg.api_key and request.url.path.startswith("/v1"):
+            header = request.headers.get("authorization", "")
+            token = header[7:] if header.lower().startswith("bearer ") else ""
+            if not secrets.compare_digest(token.encode(), cfg.api_key.encode()):
+                return error_response(APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                                               code="invalid_api_key", kind="authentication_error"))
+        return await call_next(request)
+
+    # ---- helpers ----
+    def check_common(req: SamplingFields) -> None:
+        if req.model != cfg.model_name:
+            raise APIError(404, f"The model `{req.model}` does not exist; this server serves `{cfg.model_name}`.",
+                           "model", "model_not_found")
+        if req.debug_forced_token_ids is not None and not cfg.debug_hooks:
+            raise APIError(400, "debug_forced_token_ids: only accepted by a server started with --debug-hooks",
+                           "debug_forced_token_ids")
+
+    def submit(prompt: list[int], req: SamplingFields, max_tokens: int, prefix: str
+               ) -> tuple[str, AsyncIterator[RequestOutput]]:
+        rid = f"{prefix}-{uuid.uuid4().hex}"
+        return rid, state["client"].submit(prompt, req.sampling_params(max_tokens), rid)
+
+    def failed(out: RequestOutput) -> APIError:
+        return APIError(500, f"generation failed: {out.error}", code="internal_error", kind="server_error")
+
+    # ---- routes ----
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prom():
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": cfg.model_name, "object": "model", "created": now(),
+                                            "owned_by": "hisparse", "max_model_len": cfg.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest):
+        check_common(req)
+        prompt = text_tok.encode(req.prompt, bos=True, eos=False) if isinstance(req.prompt, str) else req.prompt
+        rid, outputs = submit(prompt, req, req.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS, "cmpl")
+        created = now()
+
+        def chunk(text: str, reason: str | None) -> dict:
+            return {"id": rid, "object": "text_completion", "created": created, "model": cfg.model_name,
+                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}]}
+
+        if req.stream:
+            async def events():
+                async with aclosing(outputs) as stream:
+                    async for out in stream:
+                        if out.error:
+                            yield sse(error_body(failed(out).message, "server_error", None, "internal_error"))
+                            break
+                        if out.text_delta or out.finished:
+                            yield sse(chunk(out.text_delta, out.finish_reason if out.finished else None))
+                        if out.finished and req.include_usage:
+                            yield sse({**chunk("", None), "choices": [],
+                                       "usage": Usage.of(out.prompt_tokens, out.output_tokens).model_dump()})
+                yield sse("[DONE]")
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        text, last = "", None
+        async with aclosing(outputs) as stream:
+            async for last in stream:
+                text += last.text_delta
+        if last.error:
+            raise failed(last)
+        return {**chunk(text, last.finish_reason), "usage": Usage.of(last.prompt_tokens, last.output_tokens).model_dump()}
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatRequest):
+        check_common(req)
+        prompt = chat_encoder.encode(req)
+        max_tokens = req.max_completion_tokens or req.max_tokens or \
+            max(1, min(CHAT_DEFAULT_MAX_TOKENS, cfg.max_model_len - len(prompt)))
+        rid, outputs = submit(prompt, req, max_tokens, "chatcmpl")
+        parser = OutputParser(markers, text_tok.decode, tuple(req.stop))
+        created = now()
+
+        def reason_of(out: RequestOutput) -> str:
+            return "tool_calls" if parser.calls and out.finish_reason == "stop" else out.finish_reason
+
+        def chunk(delta: dict, reason: str | None) -> dict:
+            return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": cfg.model_name,
+                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]}
+
+        def delta_dict(d: ParsedDelta) -> dict:
+            out = {}
+            if d.reasoning:
+                out["reasoning_content"] = d.reasoning
+            if d.content:
+                out["content"] = d.content
+            if d.tool_calls:
+                out["tool_calls"] = d.tool_calls
+            return out
+
+        if req.stream:
+            async def events():
+                yield sse(chunk({"role": "assistant", "content": ""}, None))
+                async with aclosing(outputs) as stream:
+                    async for out in stream:
+                        if out.error:
+                            yield sse(error_body(failed(out).message, "server_error", None, "internal_error"))
+                            break
+                        d = parser.push(out.new_token_ids)
+                        if out.finished:
+                            d = d.merge(parser.finish())
+                        if d:
+                            yield sse(chunk(delta_dict(d), None))
+                        if out.finished:
+                            yield sse(chunk({}, reason_of(out)))
+                            if req.include_usage:
+                                yield sse({**chunk({}, None), "object": "chat.completion.chunk", "choices": [],
+                                           "usage": Usage.of(out.prompt_tokens, out.output_tokens).model_dump()})
+                yield sse("[DONE]")
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        last = None
+        async with aclosing(outputs) as stream:
+            async for last in stream:
+                parser.push(last.new_token_ids)
+        if last.error:
+            raise failed(last)
+        parser.finish()
+        return {"id": rid, "object": "chat.completion", "created": created, "model": cfg.model_name,
+                "choices": [{"index": 0, "message": parser.message(), "logprobs": None,
+                             "finish_reason": reason_of(last)}],
+                "usage": Usage.of(last.prompt_tokens, last.output_tokens).model_dump()}
+
+    return app

@@ -1,0 +1,62 @@
+"""Prometheus metrics, updated from the engine thread after every step (prometheus-client is thread-safe)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from ..engine.engine import StepStats
+from ..model.kv import KVStats
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0)
+TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                10.0, 20.0, 40.0, 80.0)
+# KVStats field -> exported counter (cumulative in KVStats; the counters advance by each step's difference)
+KV_COUNTERS = {
+    "hits": ("hisparse_cache_hits", "Selected latent rows already on the device"),
+    "misses": ("hisparse_cache_misses", "Selected latent rows copied host -> device"),
+    "host_to_device_bytes": ("hisparse_host_to_device_bytes", "Bytes copied from the host pool to the device"),
+    "device_to_host_bytes": ("hisparse_device_to_host_bytes", "Bytes backed up from the device to the host pool"),
+}
+
+
+class Metrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.running = Gauge("hisparse_num_requests_running", "Requests in the running batch", registry=r)
+        self.waiting = Gauge("hisparse_num_requests_waiting", "Requests waiting for admission", registry=r)
+        self.prompt_tokens = Counter("hisparse_prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.generation_tokens = Counter("hisparse_generation_tokens", "Tokens generated", registry=r)
+        self.finished = Counter("hisparse_request_success", "Finished requests by reason", ["finished_reason"],
+                                registry=r)
+        self.ttft = Histogram("hisparse_time_to_first_token_seconds", "Time to first token", registry=r,
+                              buckets=TTFT_BUCKETS)
+        self.tpot = Histogram("hisparse_time_per_output_token_seconds", "Time between output tokens",
+                              registry=r, buckets=TPOT_BUCKETS)
+        self.kv = {k: Counter(name, doc, registry=r) for k, (name, doc) in KV_COUNTERS.items()}
+        self.pool_usage = Gauge("hisparse_host_pool_usage_ratio", "Fraction of the KV store reserved", registry=r)
+        self.reserved = Gauge("hisparse_kv_reserved_tokens", "KV tokens reserved by admitted requests", registry=r)
+        self.index_bytes = Gauge("hisparse_kv_index_cache_bytes", "Indexer-key bytes held on the device",
+                                 registry=r)
+        self._last = KVStats()
+
+    def observe(self, s: StepStats) -> None:
+        self.running.set(s.num_running)
+        self.waiting.set(s.num_waiting)
+        self.prompt_tokens.inc(s.prompt_tokens)
+        self.generation_tokens.inc(s.generation_tokens)
+        for reason in s.finished:
+            self.finished.labels(reason).inc()
+        for v in s.ttft:
+            self.ttft.observe(v)
+        for v in s.tpot:
+            self.tpot.observe(v)
+        for key, counter in self.kv.items():
+            counter.inc(max(0, getattr(s.kv_stats, key) - getattr(self._last, key)))
+        self._last = s.kv_stats
+        self.pool_usage.set(s.kv_usage)
+        self.reserved.set(s.kv_reserved_tokens)
+        self.index_bytes.set(s.kv_index_cache_bytes)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,62 @@
+"""`hisparse serve`: load a checkpoint, build the KV store and the engine, print the capacity, run uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from ..engine.engine import Engine
+from ..engine.scheduler import SchedulerConfig
+from ..model.kv import LatentKV
+from ..model.ml4 import ML4
+from ..model.tokenizer import load_tokenizer
+from ..model.weights import load_model
+from .app import ServerConfig, build_app
+
+
+def capacity_lines(kv: LatentKV, offload: str, max_model_len: int) -> list[str]:
+    """What fits, in the words of vLLM's startup log."""
+    cap = kv.token_capacity()
+    where = "host pool" if offload == "hisparse" else "device"
+    lines = [f"KV cache ({where}): unbounded; maximum model length {max_model_len:,} tokens"] if cap is None else [
+        f"KV cache ({where}) size: {cap:,} tokens",
+        f"Maximum concurrency for {max_model_len:,} tokens per request: {cap / max_model_len:.2f}x"]
+    if offload == "hisparse":
+        rows = kv.n_slots + kv.window + kv.sinks
+        lines.append(f"Device latent rows per request and layer: {rows:,} (hot buffer {kv.n_slots:,} + resident "
+                     f"window {kv.window:,} + sinks {kv.sinks:,}), whatever the context length")
+    return lines
+
+
+def build_engine(model: ML4, kv: LatentKV, tokenizer, max_model_len: int, max_num_seqs: int,
+                 max_num_batched_tokens: int) -> Engine:
+    inner = tokenizer.instruct_tokenizer.tokenizer
+    cfg = SchedulerConfig(max_model_len, max_num_seqs, max(max_num_batched_tokens, max_num_seqs))
+    return Engine(model, kv, cfg, eos_id=inner.eos_id, decode=inner.decode)
+
+
+def serve(args: argparse.Namespace, model_dir: Path, kv_factory) -> None:
+    """Run the server until interrupted. `kv_factory(cfg)` builds the LatentKV from the CLI's KV flags."""
+    import uvicorn
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    model = load_model(model_dir, device=args.device)
+    tokenizer = load_tokenizer(model_dir)
+    kv = kv_factory(model.cfg)
+    cap = kv.token_capacity()
+    limit = model.cfg.max_position_embeddings if cap is None else min(model.cfg.max_position_embeddings, cap)
+    max_model_len = args.max_model_len or limit
+    if max_model_len > model.cfg.max_position_embeddings:
+        raise SystemExit(f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings "
+                         f"{model.cfg.max_position_embeddings}")
+    if not kv.can_ever_admit(max_model_len):
+        raise SystemExit(f"--max-model-len {max_model_len} does not fit in the KV cache ({cap:,} tokens); "
+                         "raise --host-pool-gib or lower --max-model-len")
+    engine = build_engine(model, kv, tokenizer, max_model_len, args.max_num_seqs, args.max_num_batched_tokens)
+    name = args.served_model_name or model_dir.name
+    app = build_app(engine, tokenizer, ServerConfig(name, max_model_len, args.api_key, args.debug_hooks))
+    for line in capacity_lines(kv, args.kv_offload, max_model_len):
+        print(line, flush=True)
+    print(f"Serving model '{name}' from {model_dir} at http://{args.host}:{args.port}/v1 (Ctrl-C to stop)",
+          flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)

@@ -1,0 +1,260 @@
+"""Engine: continuous batching == one request at a time, admission by KV capacity, abort and failure isolation,
+batched sampling against an independent reference, seeded reproducibility, stop conditions and detokenization."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import tiny_model
+from hisparse.engine.detokenizer import TextStream
+from hisparse.engine.engine import Engine
+from hisparse.engine.generate import greedy_generate
+from hisparse.engine.kv_factory import build_kv
+from hisparse.engine.request import Request, RequestError, SamplingParams
+from hisparse.engine.sampling import SamplingBatch, sample
+from hisparse.engine.scheduler import SchedulerConfig
+from hisparse.model.kv import ResidentKV
+from hisparse.model.tokenizer import load_tokenizer, write_tekken
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+GIB = 1 << 30
+
+
+def pool_gib(kv_cfg, pages: int, page_tokens: int = 64) -> float:
+    """host_pool_gib that holds exactly `pages` pages of the tiny fp8 layout."""
+    probe = build_kv(kv_cfg, "hisparse", host_pool_gib=0.001, dtype=torch.float64)
+    return pages * probe.pool.page_bytes / GIB
+
+
+def random_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi, (n,), generator=g).tolist()
+    return [torch.randint(0, vocab, (k,), generator=g).tolist() for k in lens]
+
+
+def assert_clean(kv) -> None:
+    """Every reservation, row, key and slot is back (invariant 6)."""
+    assert kv.reserved == {}
+    assert kv.index_cache.nbytes() == 0
+    if hasattr(kv, "pool"):
+        assert kv.pool.pages_used == 0 and kv.pool.tables == {}
+        assert not kv.hot_data and not kv.hot_state and not kv.windows
+    else:
+        assert kv.rows.nbytes() == 0
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory: pytest.TempPathFactory):
+    d = tmp_path_factory.mktemp("tok")
+    write_tekken(d)
+    return load_tokenizer(d).instruct_tokenizer.tokenizer
+
+
+def test_continuous_batching_equals_one_at_a_time(seed: int) -> None:
+    """Chunked prefill interleaved with decode, admission queueing on a small HiSparse pool (hot buffer far
+    smaller than the prompts): every request's greedy tokens equal a lone greedy run on all-resident KV."""
+    model = tiny_model(seed)
+    prompts = random_prompts(5, 5, 100, model.cfg.vocab_size, seed)
+    kv = build_kv(model.cfg, "hisparse", host_pool_gib=pool_gib(model.cfg, 4), hot_buffer_tokens=16,
+                  resident_window=8, dtype=torch.float64)
+    engine = Engine(model, kv, SchedulerConfig(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=40))
+    params = SamplingParams(max_tokens=10, temperature=0.0)
+    reqs = [engine.add_request(p, params) for p in prompts]
+    seen_waiting = seen_mixed = False
+    while engine.has_work() or not engine.inbox.empty():
+        st = engine.step()
+        seen_waiting |= st.num_waiting > 0 and st.num_running > 0
+        seen_mixed |= st.prompt_tokens > 0 and st.generation_tokens > 0
+        assert sum(kv.reserved.values()) <= kv.token_capacity()
+    assert seen_waiting, "the pool was meant to be too small for all requests at once"
+    assert seen_mixed, "prefill chunks and decode tokens were meant to share steps"
+    for p, r in zip(prompts, reqs):
+        ref = greedy_generate(model, ResidentKV(model.cfg, "fp8_ds_mla", dtype=torch.float64), p, 10)
+        assert r.output == ref.tokens and r.finish_reason == "length"
+    assert_clean(kv)
+
+
+def test_rejects_what_can_never_fit(seed: int) -> None:
+    model = tiny_model(seed)
+    kv = build_kv(model.cfg, "hisparse", host_pool_gib=pool_gib(model.cfg, 2), dtype=torch.float64)
+    engine = Engine(model, kv, SchedulerConfig(max_model_len=1000))
+    with pytest.raises(RequestError, match=r"maximum context length is 1000 tokens.*1010 tokens") as e:
+        engine.add_request([1] * 10, SamplingParams(max_tokens=1000))
+    assert e.value.field == "max_tokens"
+    with pytest.raises(RequestError, match=r"needs 300 tokens.*at most 128 tokens"):
+        engine.add_request([1] * 200, SamplingParams(max_tokens=100))
+    with pytest.raises(RequestError, match="prompt"):
+        engine.add_request([model.cfg.vocab_size], SamplingParams())
+    with pytest.raises(RequestError, match="prompt"):
+        engine.add_request([], SamplingParams())
+    for bad, name in [(dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_k=-2), "top_k"),
+                      (dict(max_tokens=0), "max_tokens"), (dict(stop_token_ids=(-1,)), "stop_token_ids")]:
+        with pytest.raises(RequestError, match=name) as e:
+            engine.add_request([1, 2], SamplingParams(**bad))
+        assert e.value.field == name
+    assert engine.inbox.empty() and not engine.has_work()
+
+
+class FaultyKV(ResidentKV):
+    """Fault injection: writing position `at` of request `bad` raises (as an exhausted device would)."""
+
+    def __init__(self, *a, bad: str, at: int, **k):
+        super().__init__(*a, **k)
+        self.bad, self.at = bad, at
+
+    def write(self, layer, req, positions, rows):
+        if req == self.bad and int(positions.max()) >= self.at:
+            raise RuntimeError("injected device failure")
+        super().write(layer, req, positions, rows)
+
+
+def test_abort_and_failure_touch_no_neighbour(seed: int) -> None:
+    model = tiny_model(seed)
+    prompts = random_prompts(4, 10, 40, model.cfg.vocab_size, seed + 1)
+    kv = FaultyKV(model.cfg, "fp8_ds_mla", dtype=torch.float64, bad="bad", at=len(prompts[0]) + 3)
+    engine = Engine(model, kv, SchedulerConfig(max_model_len=512, max_num_seqs=3, max_num_batched_tokens=64))
+    finals: dict[str, object] = {}
+    params = SamplingParams(max_tokens=10, temperature=0.0)
+    ids = ["bad", "keep-1", "abort-running", "abort-waiting"]
+    reqs = [engine.add_request(p, params, rid, lambda o: finals.__setitem__(o.request_id, o) if o.finished else None)
+            for p, rid in zip(prompts, ids)]
+    for _ in range(4):
+        engine.step()
+    engine.abort("abort-running")
+    engine.abort("abort-waiting")
+    while engine.has_work() or not engine.inbox.empty():
+        engine.step()
+    assert finals["bad"].finish_reason == "error" and "injected device failure" in finals["bad"].error
+    assert finals["abort-running"].finish_reason == "abort" and finals["abort-waiting"].finish_reason == "abort"
+    assert 0 < len(reqs[2].output) < 10 and reqs[3].output == []
+    ref = greedy_generate(model, ResidentKV(model.cfg, "fp8_ds_mla", dtype=torch.float64), prompts[1], 10)
+    assert reqs[1].output == ref.tokens and finals["keep-1"].finish_reason == "length"
+    assert_clean(kv)
+
+
+def reference_distribution(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """Independent numpy reference (vLLM/HF order): softmax(l / T) over the k largest, then the smallest prefix
+    (by descending probability) of that distribution whose mass reaches top_p, renormalised."""
+    z = logits / temperature
+    order = np.argsort(-z, kind="stable")
+    p = np.zeros_like(z)
+    p[order[:top_k]] = np.exp(z[order[:top_k]] - z.max())
+    p /= p.sum()
+    keep = np.zeros_like(p, dtype=bool)
+    mass = 0.0
+    for i in order[:top_k]:
+        if mass >= top_p:
+            break
+        keep[i] = True
+        mass += p[i]
+    q = np.where(keep, p, 0.0)
+    return q / q.sum()
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, -1, 1.0), (0.7, 4, 1.0), (1.3, -1, 0.6),
+                                                             (0.9, 5, 0.8)])
+def test_sampling_matches_reference_distribution(seed: int, temperature: float, top_k: int, top_p: float) -> None:
+    g = torch.Generator().manual_seed(seed)
+    vocab, n = 8, 20000
+    logits = torch.randn(vocab, generator=g) * 1.5
+    reqs = [Request(str(i), [0], SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p))
+            for i in range(n)]
+    torch.manual_seed(seed)
+    out = sample(logits.expand(n, vocab).clone(), SamplingBatch.from_requests(reqs, vocab, torch.device("cpu")))
+    freq = np.bincount(out.numpy(), minlength=vocab) / n
+    expected = reference_distribution(logits.double().numpy(), temperature, top_k if top_k > 0 else vocab, top_p)
+    assert np.all(freq[expected == 0] == 0)
+    sigma = np.sqrt(expected * (1 - expected) / n)
+    assert np.all(np.abs(freq - expected) <= 5 * sigma + 1e-12), (freq, expected)
+
+
+def test_sampling_greedy_forced_and_seeded_rows(seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    vocab = 50
+    logits = torch.randn(5, vocab, generator=g)
+    ps = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=seed),
+          SamplingParams(temperature=1.0, forced_token_ids=(7, 9)), SamplingParams(temperature=1.0),
+          SamplingParams(temperature=1.0, seed=seed)]
+    reqs = [Request(str(i), [0], p, generator=torch.Generator().manual_seed(p.seed) if p.seed is not None else None)
+            for i, p in enumerate(ps)]
+    reqs[2].output = [7]
+    out = sample(logits, SamplingBatch.from_requests(reqs, vocab, torch.device("cpu"))).tolist()
+    assert out[0] == int(logits[0].argmax()) and out[2] == 9
+    # the seeded row's draw depends only on its own generator: alone, at another batch position, same token
+    alone = Request("x", [0], ps[1], generator=torch.Generator().manual_seed(seed))
+    assert sample(logits[1:2], SamplingBatch.from_requests([alone], vocab, torch.device("cpu"))).item() == out[1]
+    alone = Request("y", [0], ps[4], generator=torch.Generator().manual_seed(seed))
+    assert sample(logits[4:5], SamplingBatch.from_requests([alone], vocab, torch.device("cpu"))).item() == out[4]
+
+
+def test_seeded_request_reproducible_regardless_of_batch(seed: int) -> None:
+    model = tiny_model(seed, sharp=False)
+    prompts = random_prompts(5, 4, 30, model.cfg.vocab_size, seed + 2)
+    seeded = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.95, seed=seed)
+
+    def run(batch_prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+        engine = Engine(model, ResidentKV(model.cfg, "fp8_ds_mla", dtype=torch.float64),
+                        SchedulerConfig(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=16))
+        return [r.output for r in engine.generate(batch_prompts, params)]
+
+    alone = run(prompts[:1], [seeded])[0]
+    crowd = run(prompts, [SamplingParams(max_tokens=7, temperature=1.0)] * 2 + [seeded] +
+                [SamplingParams(max_tokens=12, temperature=0.5)] * 2)
+    moved = [prompts[1], prompts[2], prompts[0], prompts[3], prompts[4]]
+    assert run(moved, [SamplingParams(max_tokens=7, temperature=1.0)] * 2 + [seeded] +
+               [SamplingParams(max_tokens=12, temperature=0.5)] * 2)[2] == alone
+    other_seed = run(prompts[:1], [SamplingParams(max_tokens=10, temperature=1.0, top_p=0.95, seed=seed + 1)])[0]
+    assert alone != other_seed
+    assert len(crowd[0]) == 7 and len(crowd[3]) == 12
+
+
+def test_stop_conditions(seed: int, tok) -> None:
+    model = tiny_model(seed, dtype=torch.float32, sharp=False, vocab_size=tok.n_words)
+    words = tok.encode("one two three four five", bos=False, eos=False)
+    engine = Engine(model, ResidentKV(model.cfg, "fp8_ds_mla"), SchedulerConfig(max_model_len=256),
+                    eos_id=tok.eos_id, decode=tok.decode)
+    texts: dict[str, str] = {}
+
+    def add(rid: str, **kw) -> Request:
+        def sink(o):
+            texts[rid] = texts.get(rid, "") + o.text_delta
+        return engine.add_request(tok.encode("hi", bos=True, eos=False), SamplingParams(
+            temperature=0.0, forced_token_ids=tuple(words) + (tok.eos_id,), **kw), rid, sink)
+
+    reqs = {"string": add("string", max_tokens=20, stop=("three",)),
+            "token": add("token", max_tokens=20, stop_token_ids=(words[1],)),
+            "eos": add("eos", max_tokens=20),
+            "ignore": add("ignore", max_tokens=len(words) + 3, ignore_eos=True),
+            "length": add("length", max_tokens=2)}
+    while engine.has_work() or not engine.inbox.empty():
+        engine.step()
+    assert texts["string"] == "one two " and reqs["string"].finish_reason == "stop"
+    assert reqs["token"].output == words[:2] and reqs["token"].finish_reason == "stop"
+    assert texts["eos"] == "one two three four five" and reqs["eos"].output[-1] == tok.eos_id
+    assert reqs["eos"].finish_reason == "stop"
+    assert len(reqs["ignore"].output) == len(words) + 3 and reqs["ignore"].finish_reason == "length"
+    assert texts["length"] == tok.decode(words[:2]) and reqs["length"].finish_reason == "length"
+
+
+def test_text_stream_utf8_and_stop_holdback(tok) -> None:
+    text = "caf\u00e9 \u4e2d\u6587 \U0001f600 end of the story, and more"
+    ids = tok.encode(text, bos=False, eos=False)
+    # one id at a time: the deltas never show a broken character and add up to the whole text
+    stream = TextStream(tok.decode)
+    deltas = [stream.push([i]) for i in ids] + [stream.flush()]
+    assert "".join(deltas) == text and all("\ufffd" not in d for d in deltas)
+    # a stop string is cut off, and no prefix of it is ever shown
+    stream = TextStream(tok.decode, stop=("story,", "zzz"))
+    shown = ""
+    for i in ids:
+        shown += stream.push([i])
+        assert "story"[:3] not in shown[len("caf\u00e9 \u4e2d\u6587 \U0001f600 end of the "):]
+        if stream.stopped:
+            break
+    shown += stream.flush()
+    assert stream.stopped and shown == "caf\u00e9 \u4e2d\u6587 \U0001f600 end of the "

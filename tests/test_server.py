@@ -1,0 +1,355 @@
+"""A real `hisparse serve` process (HiSparse KV, small hot buffer) on 127.0.0.1 driven by the official openai
+client and raw HTTP: completions, chat, streaming, parsing, seeds, 16+ concurrent clients with cancellations,
+a table of malformed requests, auth, and /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from hisparse.engine.generate import greedy_generate
+from hisparse.model.kv import ResidentKV
+from hisparse.model.tiny import builtin_tiny
+from hisparse.model.tokenizer import load_tokenizer
+from hisparse.model.weights import load_model
+
+KEY = "test-key"
+MAX_MODEL_LEN = 2048
+HOT, WINDOW = 16, 8
+
+
+@dataclass
+class Server:
+    url: str
+    name: str
+    ckpt: Path
+    log: Path
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(f"{self.url}/metrics").text
+        out = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                key = s.name + ("" if not s.labels else json.dumps(s.labels, sort_keys=True))
+                out[key] = s.value
+        return out
+
+    def wait_idle(self, timeout: float = 60.0) -> dict[str, float]:
+        """Metrics once nothing runs, waits or holds KV (every page and key freed)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            if (m["hisparse_num_requests_running"] == 0 and m["hisparse_num_requests_waiting"] == 0
+                    and m["hisparse_kv_reserved_tokens"] == 0 and m["hisparse_kv_index_cache_bytes"] == 0):
+                return m
+            assert time.monotonic() < deadline, f"server never went idle: {m}"
+            time.sleep(0.2)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    ckpt = builtin_tiny()   # what `hisparse serve` serves by default (cached; prompts are fresh per run)
+    port, log = free_port(), tmp_path_factory.mktemp("logs") / "serve.log"
+    cmd = [sys.executable, "-m", "hisparse.cli", "serve", "--model", str(ckpt), "--port", str(port),
+           "--api-key", KEY, "--debug-hooks", "--max-model-len", str(MAX_MODEL_LEN), "--host-pool-gib", "0.05",
+           "--hot-buffer-tokens", str(HOT), "--resident-window", str(WINDOW), "--max-num-seqs", "32",
+           "--device", "cpu", "--log-level", "warning"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, f"server exited:\n{log.read_text()}"
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, f"server did not start:\n{log.read_text()}"
+            time.sleep(0.3)
+        yield Server(url, ckpt.name, ckpt, log)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def tok(server: Server):
+    return load_tokenizer(server.ckpt)
+
+
+@pytest.fixture(scope="module")
+def reference(server: Server):
+    """Greedy tokens of a prompt run alone in this process on all-resident KV (independent of the server)."""
+    torch.set_num_threads(1)
+    model = load_model(server.ckpt)
+
+    def run(prompt: list[int], n: int) -> list[int]:
+        return greedy_generate(model, ResidentKV(model.cfg, "fp8_ds_mla"), prompt, n).tokens
+    return run
+
+
+def auth() -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEY}"}
+
+
+def prompts(n: int, seed: int, lo: int = 5, hi: int = 30) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1000, 131072, (int(k),), generator=g).tolist() for k in torch.randint(lo, hi, (n,), generator=g)]
+
+
+def test_startup_models_health(server: Server) -> None:
+    log = server.log.read_text()
+    assert "KV cache (host pool) size:" in log and "Maximum concurrency for 2,048 tokens per request" in log
+    assert f"{server.url}/v1" in log
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert [m.id for m in server.client().models.list().data] == [server.name]
+
+
+def test_completion_greedy_equals_reference(server: Server, tok, reference, seed: int) -> None:
+    text_tok = tok.instruct_tokenizer.tokenizer
+    prompt = "The capital of France is"
+    ids = text_tok.encode(prompt, bos=True, eos=False)
+    ref = reference(ids, 8)
+    r = server.client().completions.create(model=server.name, prompt=prompt, max_tokens=8, temperature=0)
+    assert r.choices[0].text == text_tok.decode(ref)
+    assert r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (len(ids), 8, len(ids) + 8)
+    # streamed with usage in the final chunk: the same text
+    chunks = list(server.client().completions.create(model=server.name, prompt=prompt, max_tokens=8, temperature=0,
+                                                     stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_sse_ends_with_done(server: Server) -> None:
+    body = {"model": server.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, headers=auth(), timeout=60) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
+    first = json.loads(events[0][6:])
+    assert first["object"] == "chat.completion.chunk" and first["choices"][0]["delta"]["role"] == "assistant"
+
+
+def test_chat_streaming_equals_non_streaming(server: Server, tok, reference) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story."}]
+    client = server.client()
+    r = client.chat.completions.create(model=server.name, messages=messages, max_tokens=6, temperature=0)
+    from mistral_common.protocol.instruct.request import ChatCompletionRequest
+    ids = tok.encode_chat_completion(ChatCompletionRequest.from_openai(messages)).tokens
+    assert r.usage.prompt_tokens == len(ids)
+    assert r.choices[0].message.content == tok.instruct_tokenizer.tokenizer.decode(reference(ids, 6))
+    stream = client.chat.completions.create(model=server.name, messages=messages, max_tokens=6, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r.choices[0].message.content
+    assert chunks[-1].usage.prompt_tokens == len(ids) and chunks[-1].usage.completion_tokens == 6
+
+
+def test_chat_reasoning_and_tool_calls_parsed(server: Server, tok) -> None:
+    """The random model never emits markers, so the first output ids are forced (debug hook); the model still
+    runs every step and the parsers see exactly these ids."""
+    t = tok.instruct_tokenizer.tokenizer
+    sp = t.get_special_token
+    args = '{"city": "Paris"}'
+    forced = ([sp("[THINK]")] + t.encode("Need weather.", bos=False, eos=False) + [sp("[/THINK]")] +
+              [sp("[TOOL_CALLS]")] + t.encode("get_weather", bos=False, eos=False) + [sp("[ARGS]")] +
+              t.encode(args, bos=False, eos=False) + [t.eos_id])
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+              "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    kw = dict(model=server.name, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=tools,
+              reasoning_effort="high", max_tokens=len(forced) + 5, extra_body={"debug_forced_token_ids": forced})
+    client = server.client()
+    r = client.chat.completions.create(**kw)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert msg.reasoning_content == "Need weather." and msg.content is None
+    (call,) = msg.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    assert len(call.id) == 9 and r.usage.completion_tokens == len(forced)
+    reasoning, calls, reasons = "", {}, []
+    for c in client.chat.completions.create(**kw, stream=True):
+        d = c.choices[0].delta
+        reasoning += getattr(d, "reasoning_content", None) or ""
+        for tc in d.tool_calls or []:
+            entry = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+            entry["name"] += tc.function.name or ""
+            entry["arguments"] += tc.function.arguments or ""
+        reasons.append(c.choices[0].finish_reason)
+    assert reasoning == "Need weather." and calls == {0: {"name": "get_weather", "arguments": args}}
+    assert reasons[-1] == "tool_calls"
+
+
+def test_stop_string_cuts_text(server: Server, tok) -> None:
+    t = tok.instruct_tokenizer.tokenizer
+    forced = t.encode("alpha beta gamma delta", bos=False, eos=False)
+    client = server.client()
+    kw = dict(model=server.name, prompt="x", max_tokens=10, stop=["gamma"], extra_body={"debug_forced_token_ids": forced})
+    r = client.completions.create(**kw)
+    assert r.choices[0].text == "alpha beta " and r.choices[0].finish_reason == "stop"
+    pieces = [c.choices[0].text for c in client.completions.create(**kw, stream=True)]
+    assert "".join(pieces) == "alpha beta " and not any("gam" in p for p in pieces)
+
+
+def test_seeded_sampling_reproducible(server: Server) -> None:
+    client = server.client()
+
+    def run(seed: int) -> str:
+        return client.completions.create(model=server.name, prompt="Once upon a time", max_tokens=8,
+                                         temperature=1.0, top_p=0.9, seed=seed).choices[0].text
+    a = run(1234)
+    assert run(1234) == a and run(4321) != a
+
+
+def test_concurrent_clients_and_cancellations(server: Server, tok, reference, seed: int) -> None:
+    """16 greedy clients (half streaming) while 4 more cancel mid-stream: all 16 equal their lone reference and
+    afterwards no request, reservation or key is left (pool usage back to baseline)."""
+    base = server.wait_idle()
+    ps = prompts(16, seed)
+    text_tok = tok.instruct_tokenizer.tokenizer
+    refs = [text_tok.decode(reference(p, 5)) for p in ps]
+    aclient = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+    async def one(i: int) -> str:
+        if i % 2:
+            r = await aclient.completions.create(model=server.name, prompt=ps[i], max_tokens=5, temperature=0)
+            return r.choices[0].text
+        stream = await aclient.completions.create(model=server.name, prompt=ps[i], max_tokens=5, temperature=0,
+                                                  stream=True)
+        return "".join([c.choices[0].text async for c in stream])
+
+    async def cancel(i: int, http: httpx.AsyncClient) -> int:
+        body = {"model": server.name, "prompt": ps[i], "max_tokens": 500, "temperature": 0, "stream": True}
+        seen = 0
+        async with http.stream("POST", f"{server.url}/v1/completions", json=body, headers=auth()) as r:
+            async for line in r.aiter_lines():
+                seen += line.startswith("data: ")
+                if seen >= 3:
+                    break
+        return seen
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as http:
+            return await asyncio.gather(*[one(i) for i in range(16)], *[cancel(i, http) for i in range(4)])
+
+    out = asyncio.run(main())
+    assert out[:16] == refs
+    assert out[16:] == [3] * 4
+    m = server.wait_idle()
+    assert m["hisparse_host_pool_usage_ratio"] == base["hisparse_host_pool_usage_ratio"] == 0.0
+    aborts = 'hisparse_request_success_total{"finished_reason": "abort"}'
+    assert m.get(aborts, 0) - base.get(aborts, 0) == 4
+
+
+def bad_requests(name: str) -> list[tuple[str, object, int, str]]:
+    """(path, body, status, what the error must name: the param, or a message fragment after '~')."""
+    C, H = "/v1/completions", "/v1/chat/completions"
+    c = {"model": name, "prompt": "hi", "max_tokens": 2}
+    h = {"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    user = {"role": "user", "content": "hi"}
+    return [
+        (C, "{", 400, "~invalid JSON"), (C, "[]", 400, "~body"), (H, "not json", 400, "~invalid JSON"),
+        (C, {"prompt": "hi"}, 400, "model"), (C, {"model": name}, 400, "prompt"), (C, {**c, "prompt": 123}, 400, "prompt"),
+        (C, {**c, "prompt": []}, 400, "prompt"), (C, {**c, "prompt": [10**7]}, 400, "prompt"),
+        (C, {**c, "max_tokens": 0}, 400, "max_tokens"), (C, {**c, "max_tokens": "ten"}, 400, "max_tokens"),
+        (C, {**c, "temperature": 3}, 400, "temperature"), (C, {**c, "temperature": -0.5}, 400, "temperature"),
+        (C, {**c, "top_p": 0}, 400, "top_p"), (C, {**c, "top_p": 1.5}, 400, "top_p"), (C, {**c, "top_k": -5}, 400, "top_k"),
+        (C, {**c, "n": 2}, 400, "n"), (C, {**c, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+        (C, {**c, "stop": [""]}, 400, "stop"), (C, {**c, "seed": "abc"}, 400, "seed"),
+        (C, {**c, "stream": "maybe"}, 400, "stream"), (C, {**c, "stream_options": {"include_usage": True}}, 400, "~stream"),
+        (C, {**c, "max_tokns": 5}, 400, "max_tokns"), (C, {**c, "logprobs": 5}, 400, "logprobs"),
+        (C, {**c, "echo": True}, 400, "echo"), (C, {**c, "presence_penalty": 0.5}, 400, "presence_penalty"),
+        (C, {**c, "logit_bias": {"1": 5}}, 400, "logit_bias"), (C, {**c, "stop_token_ids": [-3]}, 400, "stop_token_ids"),
+        (C, {**c, "prompt": list(range(1000, 1100)), "max_tokens": 2000}, 400, f"~{MAX_MODEL_LEN} tokens"),
+        (C, {**c, "model": "gpt-4"}, 404, "model"),
+        (H, {"model": name}, 400, "messages"), (H, {**h, "messages": []}, 400, "messages"),
+        (H, {**h, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0"),
+        (H, {**h, "messages": [{"role": "user"}]}, 400, "messages.0"),
+        (H, {**h, "messages": [{"role": "user", "content": 5}]}, 400, "messages.0"),
+        (H, {**h, "messages": [user, {"role": "tool", "content": "x"}]}, 400, "messages.1"),
+        (H, {**h, "messages": [{"role": "assistant", "content": "x"}]}, 400, "messages"),
+        (H, {**h, "reasoning_effort": "low"}, 400, "reasoning_effort"),
+        (H, {**h, "tools": [{"type": "function", "function": {}}]}, 400, "tools.0.function"),
+        (H, {**h, "tool_choice": "sometimes"}, 400, "tool_choice"),
+        (H, {**h, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+        (H, {**h, "response_format": {"type": "json_object"}}, 400, "response_format"),
+        (H, {**h, "model": "nope"}, 404, "model"),
+    ]
+
+
+def test_malformed_requests_get_openai_errors(server: Server) -> None:
+    table = bad_requests(server.name)
+    assert len(table) >= 30
+    with httpx.Client(timeout=30) as http:
+        for path, body, status, what in table:
+            kw = {"content": body} if isinstance(body, str) else {"json": body}
+            r = http.post(server.url + path, headers={**auth(), "content-type": "application/json"}, **kw)
+            assert r.status_code == status, (path, body, r.text)
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"} and err["message"], (body, err)
+            if what.startswith("~"):
+                assert what[1:] in err["message"], (body, err)
+            else:
+                assert (err["param"] or "").startswith(what), (body, err)
+        over = http.post(f"{server.url}/v1/completions", headers=auth(),
+                         json={"model": server.name, "prompt": list(range(1000, 1100)), "max_tokens": 2000}).json()
+        assert "2048" in over["error"]["message"] and "2100" in over["error"]["message"]
+        # auth: missing and wrong bearer -> 401; /health stays open
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+            r = http.post(f"{server.url}/v1/completions", headers=headers, json={"model": server.name, "prompt": "x"})
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        r = http.get(f"{server.url}/v1/does-not-exist", headers=auth())
+        assert r.status_code == 404 and r.json()["error"]["message"]
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
+    # and the server still answers a good request
+    r = server.client().completions.create(model=server.name, prompt="still alive?", max_tokens=3, temperature=0)
+    assert r.usage.completion_tokens == 3
+    server.wait_idle()
+
+
+def test_metrics_move_during_long_context_request(server: Server) -> None:
+    """A prompt far longer than the hot buffer: misses and host->device bytes grow, tokens are counted."""
+    before = server.wait_idle()
+    n_prompt, n_new = 600, 4
+    prompt = prompts(1, 7, n_prompt, n_prompt + 1)[0]
+    r = server.client().completions.create(model=server.name, prompt=prompt, max_tokens=n_new, temperature=0)
+    assert r.usage.completion_tokens == n_new
+    after = server.wait_idle()
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    assert delta["hisparse_prompt_tokens_total"] == n_prompt
+    assert delta["hisparse_generation_tokens_total"] == n_new
+    assert delta["hisparse_time_to_first_token_seconds_count"] == 1
+    assert delta["hisparse_time_per_output_token_seconds_count"] == n_new - 1
+    assert delta["hisparse_cache_misses_total"] > 0 and delta["hisparse_cache_hits_total"] > 0
+    assert delta["hisparse_host_to_device_bytes_total"] > 0 and delta["hisparse_device_to_host_bytes_total"] > 0
+    assert after["hisparse_host_pool_usage_ratio"] == 0.0
