@@ -8,6 +8,7 @@ from torch import nn
 from .attention import MLA, AttentionBatch
 from .batch import ForwardTrace, Segment, segment_positions, segment_slices
 from .config import LayerSpec, ModelConfig
+from .dspark import DSpark
 from .kv import LatentKV
 from .moe import MoE, SwiGLU
 from .norm import RMSNorm
@@ -43,6 +44,7 @@ class ML4(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, spec) for spec in cfg.layers)
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = None if cfg.tied_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.mtp_dspark = DSpark(cfg) if cfg.mtp else None   # the drafter (`mtp_dspark.*`); not run by forward
 
     @property
     def dtype(self) -> torch.dtype:

@@ -11,7 +11,7 @@ from .config import ModelConfig, preset_params
 from .ml4 import ML4
 from .weights import checkpoint_dtype, save_model, to_checkpoint_name
 
-BUILTIN_VERSION = "v1"
+BUILTIN_VERSION = "v2"   # v2: with DSpark drafter weights (mtp_dspark.*)
 
 
 @torch.no_grad()

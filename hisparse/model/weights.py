@@ -19,14 +19,16 @@ from safetensors.torch import save_file
 from .config import ModelConfig
 from .ml4 import ML4
 
-SKIPPED_PREFIXES = ("vision_encoder.", "vision_language_adapter.", "patch_merger.", "pre_mm_projector_norm.",
-                    "mtp_dspark.")
+SKIPPED_PREFIXES = ("vision_encoder.", "vision_language_adapter.", "patch_merger.", "pre_mm_projector_norm.")
+DRAFTER_PREFIX = "mtp_dspark."   # loaded when params.json has an `mtp` block, skipped otherwise
+DRAFT_SSMAX = re.compile(r"^mtp_dspark\.layers\.(\d+)\.attention\.ssmax_scaling$")
 QSCALE = ".qscale_weight"
 QSCALE_ACT = ".qscale_act"
 _MOE = re.compile(r"^(layers\.\d+\.)moe\.")
 _MOE_DISK = re.compile(r"^(layers\.\d+\.)(gate|experts|shared_experts)\.")
-F32_TENSORS = re.compile(r"(ssmax_scaling|lerope\.alpha|\.gate\.weight|weights_proj\.weight)$")
-NEVER_QUANTISED = re.compile(r"(norm|ssmax_scaling|lerope|\.gate\.|weights_proj|tok_embeddings|^output\.)")
+F32_TENSORS = re.compile(r"(ssmax_scaling|lerope\.alpha|^layers\.\d+\.gate\.weight|weights_proj\.weight)$")
+NEVER_QUANTISED = re.compile(r"(norm|ssmax_scaling|lerope|\.gate\.|weights_proj|tok_embeddings|^output\.|"
+                             r"^mtp_dspark\.)")   # the drafter is bf16 in the release (spec §2.1)
 
 
 class CheckpointError(ValueError):
@@ -107,10 +109,15 @@ def load_model(model_dir: str | Path, device: torch.device | str = "cpu",
     block = cfg.quantization.weight_block_size if cfg.quantization else (128, 128)
     ckpt = ShardedTensors(model_dir)
     model = ML4(cfg)
+    skipped = SKIPPED_PREFIXES if model.mtp_dspark is not None else SKIPPED_PREFIXES + (DRAFTER_PREFIX,)
+    for name in ckpt.keys():   # the drafter's optional per-layer SSMax (spec §5.2): present -> applied
+        m = DRAFT_SSMAX.match(name)
+        if m and model.mtp_dspark is not None and int(m[1]) < len(model.mtp_dspark.layers):
+            model.mtp_dspark.layers[int(m[1])].attention.enable_ssmax()
     expected = {to_checkpoint_name(n): p for n, p in model.state_dict().items()}
     for name in ckpt.keys():
         base = name.removesuffix(QSCALE).removesuffix(QSCALE_ACT)
-        if name.startswith(SKIPPED_PREFIXES) or (base != name and base in expected):
+        if name.startswith(skipped) or (base != name and base in expected):
             continue
         if name not in expected:
             raise CheckpointError(f"unexpected tensor '{name}' (not implied by params.json)")
