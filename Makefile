@@ -9,9 +9,13 @@ $(BIN)/hisparse: pyproject.toml
 	$(BIN)/pip install -q -e '.[server,test]'
 	touch $@
 
+# vLLM (CPU build) in its own venv, for the connector's end-to-end test (about 3 minutes the first time)
+.venv-vllm/.hisparse-vllm-installed: pyproject.toml scripts/install_vllm.sh
+	scripts/install_vllm.sh
+
 .PHONY: demo test
 demo: $(BIN)/hisparse
 	$(BIN)/hisparse serve
 
-test: $(BIN)/hisparse
+test: $(BIN)/hisparse .venv-vllm/.hisparse-vllm-installed
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q

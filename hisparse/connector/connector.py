@@ -1,0 +1,130 @@
+"""HiSparseConnector: vLLM's KV connector (v1 API) in front of hisparse's latent store.
+
+Scheduler side: admission by host-pool capacity (a request reserves prompt + max new tokens when vLLM
+allocates it; one that does not fit waits), and each step's plan of requests started and released.
+Worker side: owns this worker's LatentKV (HiSparseKV: host pool + working set), applies the plan when vLLM
+binds the step's metadata (frees every row of a finished, aborted or preempted request), maps vLLM's batch to
+hisparse segments for the model, and reports `hisparse_*` stats. The model plugin writes and reads the latent
+rows through that LatentKV during its forward (hisparse's indexer, resolver and sparse MLA), so the
+layer-wise load/save hooks have nothing to move.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+from vllm.logger import init_logger
+from vllm.platforms import current_platform
+
+from ..model.config import ModelConfig
+from .settings import HiSparseSettings
+from .state import AdmissionState, StepPlan, WorkerState
+from .stats import HiSparseConnectorStats, HiSparsePromMetrics
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class HiSparseMetadata(KVConnectorMetadata):
+    plan: StepPlan
+
+
+@dataclass
+class HiSparseHandshake(KVConnectorHandshakeMetadata):
+    token_capacity: int | None     # tokens this worker's host pool holds (None: unbounded)
+    page_tokens: int               # its allocation unit
+
+
+class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        settings = HiSparseSettings.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
+        mc = vllm_config.model_config
+        self.admission: AdmissionState | None = None
+        self.worker: WorkerState | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.admission = AdmissionState(mc.max_model_len)
+        else:
+            self.worker = WorkerState(ModelConfig.load(mc.model), settings, mc.dtype,
+                                      torch.device(current_platform.device_type), mc.max_model_len)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False    # nothing is handed to another instance
+
+    # ---------------------------------------------------------------- worker side
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        assert isinstance(connector_metadata, HiSparseMetadata)
+        self.worker.apply(connector_metadata.plan)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        """Nothing to load: attention gathers its selected rows from the host pool during the forward."""
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads are per selection, inside the model's attention."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        """The model writes each step's new latent rows through the LatentKV (eager host backup)."""
+
+    def wait_for_save(self) -> None:
+        """Backups are flushed by the LatentKV at the end of each forward."""
+
+    def get_handshake_metadata(self) -> HiSparseHandshake:
+        return HiSparseHandshake(self.worker.kv.token_capacity(), self.worker.kv.page_tokens)
+
+    def get_kv_connector_stats(self) -> HiSparseConnectorStats | None:
+        return HiSparseConnectorStats(data=self.worker.stats()) if self.worker is not None else None
+
+    # ---------------------------------------------------------------- scheduler side
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        caps = [m.token_capacity for m in metadata.values()]
+        self.admission.capacity = None if not caps or None in caps else min(caps)
+        self.admission.page_tokens = max((m.page_tokens for m in metadata.values()), default=1)
+        logger.info("hisparse: admitting requests while their prompt + max_tokens fit %s host-pool tokens",
+                    self.admission.capacity)
+
+    def _need(self, request) -> int:
+        return self.admission.need(request.num_prompt_tokens, request.max_tokens)
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """No external tokens; None (try again later) while the host pool cannot take the request."""
+        return (0, False) if self.admission.fits(request.request_id, self._need(request)) else (None, False)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        self.admission.allocate(request.request_id, self._need(request))
+
+    def build_connector_meta(self, scheduler_output) -> HiSparseMetadata:
+        started = [(r.req_id, r.block_ids[0][0]) for r in scheduler_output.scheduled_new_reqs]
+        cached = scheduler_output.scheduled_cached_reqs
+        started += [(r, cached.new_block_ids[i][0][0]) for i, r in enumerate(cached.req_ids)
+                    if r in cached.resumed_req_ids]
+        released = set(scheduler_output.finished_req_ids) | set(scheduler_output.preempted_req_ids or ())
+        return HiSparseMetadata(self.admission.plan(started, released))
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self.admission.finish(request.request_id)
+        return False, None
+
+    def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished(request, [])
+
+    # ---------------------------------------------------------------- stats plumbing (API server side)
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> HiSparseConnectorStats:
+        return HiSparseConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues
+                           ) -> HiSparsePromMetrics:
+        return HiSparsePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

