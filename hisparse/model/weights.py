@@ -74,11 +74,8 @@ class ShardedTensors:
             files = sorted(p.name for p in model_dir.glob("consolidated*.safetensors"))
         if not files:
             raise CheckpointError(f"{model_dir}: no consolidated*.safetensors found")
-        self.where: dict[str, Path] = {}
-        for f in files:
-            with safe_open(model_dir / f, "pt") as h:
-                for key in h.keys():
-                    self.where[key] = model_dir / f
+        self.handles = {f: safe_open(model_dir / f, "pt") for f in files}   # opened once, read lazily
+        self.where = {key: h for h in self.handles.values() for key in h.keys()}
 
     def __contains__(self, name: str) -> bool:
         return name in self.where
@@ -87,8 +84,7 @@ class ShardedTensors:
         return iter(self.where)
 
     def get(self, name: str) -> torch.Tensor:
-        with safe_open(self.where[name], "pt") as h:
-            return h.get_tensor(name)
+        return self.where[name].get_tensor(name)
 
 
 def load_tensor(ckpt: ShardedTensors, name: str, block: tuple[int, int]) -> torch.Tensor:
