@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -76,3 +75,15 @@ def test_drop_from_forgets_rolled_back_positions() -> None:
     state.drop_from(9)
     plan = resolve(state, torch.tensor([1, 5, 9, 12]), 2)
     assert plan.hit.tolist() == [True, True, False, False]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton lookup kernel needs CUDA")
+def test_triton_lookup_matches_torch() -> None:
+    g = torch.Generator().manual_seed(0)
+    for n_slots, n_pos in ((1, 1), (7, 300), (4096, 2048), (4096, 5)):
+        state = HotState(n_slots, torch.device("cuda"))
+        held = torch.randperm(10 * n_slots, generator=g)[:n_slots]
+        held[torch.rand(n_slots, generator=g) < 0.2] = EMPTY
+        state.slot_pos.copy_(held)
+        positions = torch.randint(0, 10 * n_slots, (n_pos,), generator=g).cuda()
+        assert torch.equal(state.lookup(positions, use_triton=True), state.lookup(positions, use_triton=False))

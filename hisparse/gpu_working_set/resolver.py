@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import lookup_triton
+
 EMPTY = -1
 
 
@@ -25,10 +27,12 @@ class HotState:
         self.slot_pos = torch.full((n_slots,), EMPTY, dtype=torch.long, device=device)
         self.last_used = torch.full((n_slots,), EMPTY, dtype=torch.long, device=device)
 
-    def lookup(self, positions: torch.Tensor) -> torch.Tensor:
-        """Slot holding each position [U], or EMPTY."""
+    def lookup(self, positions: torch.Tensor, use_triton: bool | None = None) -> torch.Tensor:
+        """Slot holding each position [U], or EMPTY (Triton kernel on CUDA, sort + searchsorted elsewhere)."""
         if self.n_slots == 0:
             return torch.full_like(positions, EMPTY)
+        if lookup_triton.available(self.device) if use_triton is None else use_triton:
+            return lookup_triton.lookup(self.slot_pos, positions)
         held, order = torch.sort(self.slot_pos)
         idx = torch.searchsorted(held, positions).clamp(max=self.n_slots - 1)
         return torch.where(held[idx] == positions, order[idx], EMPTY)
