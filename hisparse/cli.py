@@ -135,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests decoding at once")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per forward step")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, the JSON vllm serve takes: {"method": "dspark", '
+                        '"num_speculative_tokens": 3, "draft_sample_method": "greedy"|"probabilistic"} '
+                        "(needs a checkpoint with a DSpark drafter)")
     p.add_argument("--debug-hooks", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     add_kv_args(p)

@@ -11,6 +11,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,14 +70,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
+@contextmanager
+def launch(log: Path, *extra: str) -> Iterator[Server]:
+    """Run `hisparse serve` on the built-in tiny checkpoint (HiSparse, small hot buffer) with `extra` flags until
+    the block ends; output goes to `log`."""
     ckpt = builtin_tiny()   # what `hisparse serve` serves by default (cached; prompts are fresh per run)
-    port, log = free_port(), tmp_path_factory.mktemp("logs") / "serve.log"
+    port = free_port()
     cmd = [sys.executable, "-m", "hisparse.cli", "serve", "--model", str(ckpt), "--port", str(port),
            "--api-key", KEY, "--debug-hooks", "--max-model-len", str(MAX_MODEL_LEN), "--host-pool-gib", "0.05",
            "--hot-buffer-tokens", str(HOT), "--resident-window", str(WINDOW), "--max-num-seqs", "32",
-           "--device", "cpu", "--log-level", "warning"]
+           "--device", "cpu", "--log-level", "warning", *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     with open(log, "w") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
@@ -98,6 +102,12 @@ def server(tmp_path_factory: pytest.TempPathFactory):
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    with launch(tmp_path_factory.mktemp("logs") / "serve.log") as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

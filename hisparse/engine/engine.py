@@ -1,7 +1,9 @@
 """The engine: one thread owns the model and the KV store and runs scheduler steps; other threads submit.
 
 `add_request` / `abort` are thread-safe (they go through an inbox queue); outputs are pushed to each request's
-`sink` from the engine thread. `generate` runs requests to completion synchronously (tests, benchmarks).
+`sink` from the engine thread. `generate` runs requests to completion synchronously (tests, benchmarks). With a
+`SpeculativeConfig`, every decoding request drafts and verifies up to N tokens per step (spec_decode.py); a step
+may then emit several tokens per request, cut exactly where plain decoding would stop.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..model.dspark import DSparkDrafter
 from ..model.kv import KVStats, LatentKV
 from ..model.ml4 import ML4
 from .detokenizer import TextStream
@@ -23,6 +26,8 @@ from .request import Request, RequestError, RequestOutput, SamplingParams, Statu
 from .runner import ModelRunner
 from .sampling import SamplingBatch, sample
 from .scheduler import Scheduler, SchedulerConfig
+from .spec_decode import Speculator
+from .speculative import Proposer, SpeculativeConfig
 
 log = logging.getLogger("hisparse.engine")
 
@@ -35,7 +40,10 @@ class StepStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     ttft: list[float] = field(default_factory=list)            # seconds, requests that got their first token
-    tpot: list[float] = field(default_factory=list)            # seconds between consecutive output tokens
+    tpot: list[float] = field(default_factory=list)            # seconds per output token after the first (the
+                                                               # tokens of one step share its gap evenly)
+    spec_draft_tokens: int = 0                                 # draft tokens verified this step
+    spec_accepted: list[int] = field(default_factory=list)     # per verify segment: drafts accepted
     finished: list[str] = field(default_factory=list)          # finish reasons
     kv_stats: KVStats = field(default_factory=KVStats)
     kv_usage: float = 0.0                 # LatentKV.usage_ratio()
@@ -44,11 +52,19 @@ class StepStats:
 
 
 class Engine:
+    """`speculative`: DSpark speculative decoding (None: off); `proposer` overrides the checkpoint's drafter
+    (tests and benchmarks: an oracle)."""
+
     def __init__(self, model: ML4, kv: LatentKV, cfg: SchedulerConfig, eos_id: int | None = None,
-                 decode: Callable[[list[int]], str] | None = None):
+                 decode: Callable[[list[int]], str] | None = None, speculative: SpeculativeConfig | None = None,
+                 proposer: Proposer | None = None):
         self.model, self.kv = model, kv
-        self.runner = ModelRunner(model, kv)
-        self.scheduler = Scheduler(cfg, kv)
+        self.speculator: Speculator | None = None
+        if speculative is not None:
+            window = model.cfg.mtp.sliding_window if model.cfg.mtp is not None else None
+            self.speculator = Speculator(speculative, proposer or DSparkDrafter(model), kv, window)
+        self.runner = ModelRunner(model, kv, self.speculator.tap_layers if self.speculator else ())
+        self.scheduler = Scheduler(cfg, kv, speculative.num_speculative_tokens if speculative else 0)
         self.eos_id, self.decode = eos_id, decode
         self.vocab = model.cfg.vocab_size
         self.on_step: Callable[[StepStats], None] | None = None
@@ -103,24 +119,40 @@ class Engine:
                 self._finish(self.requests[arg], "abort")
 
     def step(self) -> StepStats:
-        """Admit, run one forward, sample, and deliver outputs."""
+        """Admit, draft (speculative decoding), run one forward, accept or sample, and deliver outputs."""
         self._drain_inbox()
         stats = StepStats(0, 0)
         plan = self.scheduler.schedule()
         if plan is not None:
+            if self.speculator is not None:
+                self.speculator.propose(plan)
             result = self.runner.execute(plan)
             for req, err in result.failed:
                 log.exception("request %s failed", req.id, exc_info=err)
                 self._finish(req, "error", error=f"{type(err).__name__}: {err}")
-            for req, seg in result.ok:
-                req.num_computed += seg.length
-                stats.prompt_tokens += max(0, min(req.num_computed, len(req.prompt)) - seg.start)
-            if result.sample_reqs:
-                batch = SamplingBatch.from_requests(result.sample_reqs, self.vocab, result.logits.device)
-                tokens = sample(result.logits, batch).tolist()
-                now = time.monotonic()
-                for req, tok in zip(result.sample_reqs, tokens):
-                    self._append(req, tok, now, stats)
+            emitted: dict[int, list[int]] = {}   # segment index -> new tokens
+            kept = {o.index: o.segment.length for o in result.ok}   # rows whose KV stays written
+            verify = [o for o in result.ok if plan.num_drafts[o.index]]
+            if verify:
+                for o, tokens in zip(verify, self.speculator.accept(plan, verify)):
+                    emitted[o.index], kept[o.index] = tokens, len(tokens)
+                    stats.spec_draft_tokens += plan.num_drafts[o.index]
+                    stats.spec_accepted.append(len(tokens) - 1)
+            if self.speculator is not None:
+                self.speculator.observe(result.ok, [kept[o.index] for o in result.ok])
+            for o in result.ok:
+                o.req.num_computed += kept[o.index]
+                stats.prompt_tokens += max(0, min(o.req.num_computed, len(o.req.prompt)) - o.segment.start)
+            plain = [o for o in result.ok if o.logits is not None and o.index not in emitted]
+            if plain:
+                logits = torch.cat([o.logits for o in plain])
+                tokens = sample(logits, SamplingBatch.from_requests([o.req for o in plain], self.vocab,
+                                                                    logits.device)).tolist()
+                emitted.update((o.index, [t]) for o, t in zip(plain, tokens))
+            now = time.monotonic()
+            for o in result.ok:
+                if o.index in emitted:
+                    self._append(o.req, emitted[o.index], now, stats)
         stats.finished, self._finished = self._finished, []
         stats.num_running, stats.num_waiting = len(self.scheduler.running), len(self.scheduler.waiting)
         stats.kv_stats, stats.kv_usage = self.kv.stats.snapshot(), self.kv.usage_ratio()
@@ -130,24 +162,37 @@ class Engine:
             self.on_step(stats)
         return stats
 
-    def _append(self, req: Request, tok: int, now: float, stats: StepStats) -> None:
+    def _append(self, req: Request, tokens: list[int], now: float, stats: StepStats) -> None:
+        """Append one step's new tokens, stopping after the first that ends the request (as if they had come one
+        per step), and deliver them as one output."""
+        p = req.params
+        stream = self.streams.get(req.id)
+        new, delta, reason = [], "", None
+        for tok in tokens:
+            new.append(tok)
+            req.output.append(tok)
+            delta += stream.push([tok]) if stream is not None else ""
+            if (tok == self.eos_id and not p.ignore_eos) or tok in p.stop_token_ids or (stream and stream.stopped):
+                reason = "stop"
+            elif len(req.output) >= p.max_tokens:
+                reason = "length"
+            if reason:
+                break
+        rest = len(new)
         if req.first_token_time is None:
             req.first_token_time = now
             stats.ttft.append(now - req.arrival)
+            rest -= 1
+            gap = 0.0
         else:
-            stats.tpot.append(now - req.last_token_time)
+            gap = (now - req.last_token_time) / rest
+        stats.tpot += [gap] * rest
         req.last_token_time = now
-        req.output.append(tok)
-        stats.generation_tokens += 1
-        p = req.params
-        stream = self.streams.get(req.id)
-        delta = stream.push([tok]) if stream is not None else ""
-        if (tok == self.eos_id and not p.ignore_eos) or tok in p.stop_token_ids or (stream and stream.stopped):
-            self._finish(req, "stop", [tok], delta)
-        elif len(req.output) >= p.max_tokens:
-            self._finish(req, "length", [tok], delta)
+        stats.generation_tokens += len(new)
+        if reason:
+            self._finish(req, reason, new, delta)
         else:
-            self._deliver(req, RequestOutput(req.id, [tok], delta, prompt_tokens=len(req.prompt),
+            self._deliver(req, RequestOutput(req.id, new, delta, prompt_tokens=len(req.prompt),
                                              output_tokens=len(req.output)))
 
     @staticmethod
@@ -161,6 +206,8 @@ class Engine:
                 error: str | None = None) -> None:
         """End a request: free its KV, then deliver the final output (remaining text included)."""
         self.scheduler.remove(req)
+        if self.speculator is not None:
+            self.speculator.release(req.id)
         req.finish_reason = reason
         self.requests.pop(req.id, None)
         stream = self.streams.pop(req.id, None)

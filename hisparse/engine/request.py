@@ -94,6 +94,14 @@ class Request:
         """Positions the request may ever occupy; reserved in the KV store at admission."""
         return len(self.prompt) + self.params.max_tokens
 
+    def num_drafts(self, limit: int) -> int:
+        """Drafts a speculative step of this decoding request may verify: at most `limit`, none while forced ids
+        remain (the debug hook fixes those outputs), and at most what the step could still emit before
+        max_tokens (accepted drafts + 1), so every draft position stays inside the request's reservation."""
+        if len(self.output) < len(self.params.forced_token_ids):
+            return 0
+        return max(0, min(limit, self.params.max_tokens - len(self.output) - 1))
+
     def token_slice(self, start: int, n: int) -> list[int]:
         """Token ids at positions [start, start + n) of prompt + output (no copy of the whole sequence)."""
         p = len(self.prompt)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..model.batch import Segment
+from ..model.batch import ForwardTrace, Segment
 from ..model.kv import LatentKV
 from ..model.ml4 import ML4
 from .request import Request
@@ -14,63 +14,99 @@ from .request import Request
 
 @dataclass
 class ScheduledStep:
-    """One flat forward: a segment (prefill chunk or decode token) per request."""
-    reqs: list[Request]          # one per segment
-    segments: list[Segment]
-    tokens: list[int]            # concatenated segment tokens [N]
+    """One flat forward: a segment per request. A segment is a prefill chunk, a decode token, or a speculative
+    verify [anchor, d_1..d_n] at positions P..P+n whose n draft ids are filled in before the forward."""
+    reqs: list[Request] = field(default_factory=list)        # one per segment
+    segments: list[Segment] = field(default_factory=list)
+    num_drafts: list[int] = field(default_factory=list)      # per segment: draft tokens at its end (0: none)
+    drafts: list[list[int]] = field(default_factory=list)    # per segment: the draft ids (set by the speculator)
+    draft_probs: list[torch.Tensor | None] = field(default_factory=list)   # per segment: q [n, V], None = argmax
 
-    def sampled(self) -> list[bool]:
-        """Whether each segment ends at its request's last known token (so a new token is sampled)."""
-        return [s.start + s.length == r.total_len for r, s in zip(self.reqs, self.segments)]
+    def add(self, req: Request, seg: Segment, num_drafts: int = 0) -> None:
+        self.reqs.append(req)
+        self.segments.append(seg)
+        self.num_drafts.append(num_drafts)
+        self.drafts.append([])
+        self.draft_probs.append(None)
+
+    def token_ids(self) -> list[int]:
+        """Concatenated segment tokens [N]: known ids, then each verify segment's drafts."""
+        out: list[int] = []
+        for r, s, n, d in zip(self.reqs, self.segments, self.num_drafts, self.drafts):
+            if len(d) != n:
+                raise RuntimeError(f"request {r.id}: {n} draft slots scheduled, {len(d)} drafts proposed")
+            out += r.token_slice(s.start, s.length - n) + d
+        return out
+
+    def logit_rows(self) -> list[int]:
+        """Rows of each segment whose logits are needed: every row of a verify segment (anchor + drafts), the last
+        row of a segment ending at its request's last known token (a new token is sampled), none otherwise."""
+        return [n + 1 if s.start + s.length - n == r.total_len else 0
+                for r, s, n in zip(self.reqs, self.segments, self.num_drafts)]
+
+    def only(self, i: int) -> "ScheduledStep":
+        """Segment i alone (drafts included)."""
+        return ScheduledStep([self.reqs[i]], [self.segments[i]], [self.num_drafts[i]], [self.drafts[i]],
+                             [self.draft_probs[i]])
+
+
+@dataclass
+class SegmentOutput:
+    """What the forward produced for one segment whose KV is now written."""
+    index: int                                  # the segment's index in its ScheduledStep
+    req: Request
+    segment: Segment
+    logits: torch.Tensor | None                 # [logit_rows, V] (None: a prefill chunk that samples nothing)
+    taps: dict[int, torch.Tensor]               # tapped layer -> hidden states [segment.length, D] ({} untapped)
 
 
 @dataclass
 class StepResult:
-    ok: list[tuple[Request, Segment]] = field(default_factory=list)     # segments whose KV is now written
-    sample_reqs: list[Request] = field(default_factory=list)
-    logits: torch.Tensor | None = None                                  # [len(sample_reqs), V]
+    ok: list[SegmentOutput] = field(default_factory=list)
     failed: list[tuple[Request, Exception]] = field(default_factory=list)
 
 
+def row_index(lengths: list[int], counts: list[int]) -> torch.Tensor:
+    """Flat indices (CPU) of the last counts[i] rows of each segment i, segments of `lengths` rows -> [sum(counts)]."""
+    n, k = torch.tensor(lengths), torch.tensor(counts)
+    firsts = k.cumsum(0) - k
+    seg = torch.repeat_interleave(torch.arange(len(counts)), k)
+    return (n.cumsum(0) - k)[seg] + torch.arange(int(k.sum())) - firsts[seg]
+
+
 class ModelRunner:
-    """Owns the model and the KV store; used only from the engine thread."""
+    """Owns the model and the KV store; used only from the engine thread. `tap_layers`: layers whose hidden
+    states every forward returns per segment (the drafter's context path)."""
 
-    def __init__(self, model: ML4, kv: LatentKV):
-        self.model, self.kv = model, kv
+    def __init__(self, model: ML4, kv: LatentKV, tap_layers: tuple[int, ...] = ()):
+        self.model, self.kv, self.tap_layers = model, kv, tuple(tap_layers)
 
-    def forward(self, step: ScheduledStep) -> torch.Tensor:
-        """Logits [S, V] of the last row of every segment that samples."""
-        ends, off = [], 0
-        for seg, samples in zip(step.segments, step.sampled()):
-            off += seg.length
-            if samples:
-                ends.append(off - 1)
+    def forward(self, step: ScheduledStep, indices: list[int]) -> list[SegmentOutput]:
+        """One forward over `step`; a SegmentOutput per segment (indices: their indices in the full step)."""
         dev = self.model.device
-        tokens = torch.tensor(step.tokens, dtype=torch.long, device=dev)
-        return self.model(tokens, step.segments, self.kv, logits_at=torch.tensor(ends, dtype=torch.long, device=dev))
+        counts = step.logit_rows()
+        lengths = [s.length for s in step.segments]
+        at = row_index(lengths, counts).to(dev)
+        trace = ForwardTrace(tap_layers=self.tap_layers) if self.tap_layers else None
+        tokens = torch.tensor(step.token_ids(), dtype=torch.long, device=dev)
+        logits = self.model(tokens, step.segments, self.kv, logits_at=at, trace=trace).split(counts)
+        taps = {l: h.split(lengths) for l, h in trace.taps.items()} if trace is not None else {}
+        return [SegmentOutput(i, r, s, lg if k else None, {l: t[j] for l, t in taps.items()})
+                for j, (i, r, s, lg, k) in enumerate(zip(indices, step.reqs, step.segments, logits, counts))]
 
     def execute(self, step: ScheduledStep) -> StepResult:
         """Run the batch; if it fails, roll back and rerun each segment alone so only the failing ones fail."""
         try:
-            logits = self.forward(step)
-            return StepResult(list(zip(step.reqs, step.segments)),
-                              [r for r, s in zip(step.reqs, step.sampled()) if s], logits)
+            return StepResult(self.forward(step, list(range(len(step.reqs)))))
         except Exception as e:   # noqa: BLE001 - isolated below, request by request
             if len(step.reqs) == 1:
                 self.kv.truncate(step.reqs[0].id, step.segments[0].start)
                 return StepResult(failed=[(step.reqs[0], e)])
-        out, rows = StepResult(), []
-        for req, seg in zip(step.reqs, step.segments):
+        out = StepResult()
+        for i, (req, seg) in enumerate(zip(step.reqs, step.segments)):
             self.kv.truncate(req.id, seg.start)
-            one = ScheduledStep([req], [seg], req.token_slice(seg.start, seg.length))
             try:
-                logits = self.forward(one)
+                out.ok += self.forward(step.only(i), [i])
             except Exception as e:   # noqa: BLE001 - reported on this request only
                 out.failed.append((req, e))
-                continue
-            out.ok.append((req, seg))
-            if one.sampled()[0]:
-                out.sample_reqs.append(req)
-                rows.append(logits)
-        out.logits = torch.cat(rows) if rows else None
         return out

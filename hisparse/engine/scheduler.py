@@ -4,7 +4,8 @@ A request reserves its whole length (prompt + max_tokens) in the KV store before
 request can never run out of room mid-way and never evicts a neighbour. The head of the queue waits until
 the reservation fits (FIFO, so a long request is not starved by short ones); a request that could never fit
 is rejected at submission. Each step takes one token for every decoding request and spends the rest of the
-token budget on prefill chunks, oldest request first.
+token budget on draft tokens (with speculative decoding: a decoding request's segment becomes [anchor, d_1..d_n])
+and then on prefill chunks, oldest request first.
 """
 
 from __future__ import annotations
@@ -33,8 +34,12 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, kv: LatentKV):
-        self.cfg, self.kv = cfg, kv
+    """`num_speculative_tokens`: drafts each decoding request may verify per step (0: no speculation). When the
+    token budget cannot hold every decode's drafts, later requests get fewer (`hisparse serve` sizes the budget
+    to max_num_seqs x (1 + N), so a request's drafts never depend on its neighbours)."""
+
+    def __init__(self, cfg: SchedulerConfig, kv: LatentKV, num_speculative_tokens: int = 0):
+        self.cfg, self.kv, self.num_speculative_tokens = cfg, kv, num_speculative_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -75,16 +80,18 @@ class Scheduler:
     def schedule(self) -> ScheduledStep | None:
         """The next forward, or None when nothing can run."""
         self.admit()
-        budget = self.cfg.max_num_batched_tokens
         decode = [r for r in self.running if r.total_len - r.num_computed == 1]
         prefill = [r for r in self.running if r.total_len - r.num_computed > 1]
-        step = ScheduledStep([], [], [])
-        for req in decode + prefill:
+        budget = self.cfg.max_num_batched_tokens - len(decode)   # >= 0: max_num_batched_tokens >= max_num_seqs
+        step = ScheduledStep()
+        for req in decode:
+            n = min(req.num_drafts(self.num_speculative_tokens), budget)
+            step.add(req, Segment(req.id, req.num_computed, 1 + n), n)
+            budget -= n
+        for req in prefill:
             n = min(req.total_len - req.num_computed, budget)
             if n <= 0:
                 break
-            step.reqs.append(req)
-            step.segments.append(Segment(req.id, req.num_computed, n))
-            step.tokens += req.token_slice(req.num_computed, n)
+            step.add(req, Segment(req.id, req.num_computed, n))
             budget -= n
         return step if step.reqs else None

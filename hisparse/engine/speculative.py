@@ -66,13 +66,19 @@ class SpeculativeConfig:
 
 
 class Proposer(Protocol):
-    """What the decoder needs from a drafter (DSparkDrafter, OracleProposer)."""
+    """What the decoders need from a drafter (DSparkDrafter, OracleProposer). The engine uses the batch forms."""
     tap_layers: tuple[int, ...]
 
     def observe(self, req: Hashable, taps: dict[int, torch.Tensor], positions: torch.Tensor) -> None: ...
 
+    def observe_batch(self, reqs: list[Hashable], taps: dict[int, torch.Tensor], positions: torch.Tensor,
+                      counts: list[int]) -> None: ...
+
     def propose(self, req: Hashable, anchor: int, pos: int, n: int, sample: DraftSampler
                 ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+    def propose_batch(self, reqs: list[Hashable], anchors: torch.Tensor, pos: torch.Tensor, n: int,
+                      sample: DraftSampler) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
     def truncate(self, req: Hashable, length: int) -> None: ...
 
@@ -81,23 +87,39 @@ class Proposer(Protocol):
 
 class OracleProposer:
     """Proposes a known continuation (e.g. the target's own greedy tokens), so greedy verification accepts every
-    draft: the upper bound of speculative decoding. `shadow` (a real drafter) is run alongside and its proposals
-    discarded, to measure the drafting cost at oracle acceptance."""
+    draft: the upper bound of speculative decoding. `sequence`: one token list for every request, or a list per
+    request id. `shadow` (a real drafter) is run alongside and its proposals discarded, to measure the drafting
+    cost at oracle acceptance."""
 
-    def __init__(self, sequence: list[int], shadow: Proposer | None = None):
-        self.sequence, self.shadow = list(sequence), shadow
+    def __init__(self, sequence: list[int] | dict[Hashable, list[int]], shadow: Proposer | None = None):
+        self.sequence, self.shadow = sequence, shadow
         self.tap_layers = shadow.tap_layers if shadow is not None else ()
+
+    def _known(self, req: Hashable, pos: int, n: int) -> list[int]:
+        seq = self.sequence.get(req, []) if isinstance(self.sequence, dict) else self.sequence
+        known = seq[pos + 1: pos + 1 + n]
+        return known + [0] * (n - len(known))
 
     def observe(self, req: Hashable, taps: dict[int, torch.Tensor], positions: torch.Tensor) -> None:
         if self.shadow is not None:
             self.shadow.observe(req, taps, positions)
 
+    def observe_batch(self, reqs: list[Hashable], taps: dict[int, torch.Tensor], positions: torch.Tensor,
+                      counts: list[int]) -> None:
+        if self.shadow is not None:
+            self.shadow.observe_batch(reqs, taps, positions, counts)
+
     def propose(self, req: Hashable, anchor: int, pos: int, n: int, sample: DraftSampler
                 ) -> tuple[torch.Tensor, None]:
         if self.shadow is not None:
             self.shadow.propose(req, anchor, pos, n, sample)
-        known = self.sequence[pos + 1: pos + 1 + n]
-        return torch.tensor(known + [0] * (n - len(known))), None
+        return torch.tensor(self._known(req, pos, n)), None
+
+    def propose_batch(self, reqs: list[Hashable], anchors: torch.Tensor, pos: torch.Tensor, n: int,
+                      sample: DraftSampler) -> tuple[torch.Tensor, None]:
+        if self.shadow is not None:
+            self.shadow.propose_batch(reqs, anchors, pos, n, sample)
+        return torch.tensor([self._known(r, p, n) for r, p in zip(reqs, pos.tolist())]), None
 
     def truncate(self, req: Hashable, length: int) -> None:
         if self.shadow is not None:
@@ -108,33 +130,65 @@ class OracleProposer:
             self.shadow.release(req)
 
 
+def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """pi = softmax(proc(logits)) per row under that row's temperature (> 0), top-k and top-p: [B, V] -> [B, V]."""
+    B, vocab = logits.shape
+    dev = logits.device
+    z = logits / torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev)[:, None]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
+    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=dev)
+    if bool((top_k < vocab).any() or (top_p < 1).any()):
+        z = filter_top_k_top_p(z, top_k, top_p)
+    return torch.softmax(z, dim=-1)
+
+
 def token_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """pi = softmax(proc(logits)): temperature, then top-k / top-p. logits [n, V] -> probs [n, V]."""
-    z = logits / params.temperature
-    if params.top_k > 0 or params.top_p < 1:
-        n, vocab = z.shape
-        top_k = torch.full((n,), params.top_k if params.top_k > 0 else vocab, device=z.device)
-        z = filter_top_k_top_p(z, top_k, torch.full((n,), params.top_p, device=z.device))
-    return torch.softmax(z, dim=-1)
+    return processed_probs(logits, [params] * logits.shape[0])
 
 
 def draft_sampler(method: str, params: SamplingParams, generator: torch.Generator | None) -> DraftSampler:
     """How the drafter picks each draft: argmax (q = point mass, returned as None), or a sample from
     q = softmax(proc(logits)) under the request's own settings."""
-    if method == "greedy" or params.temperature == 0:
+    return batch_draft_sampler(method, [params], [generator])
+
+
+def batch_draft_sampler(method: str, params: list[SamplingParams], generators: list[torch.Generator | None]
+                        ) -> DraftSampler:
+    """draft_sampler for B requests drafted together (row b: params[b], generators[b]). Argmax unless the method
+    is 'probabilistic' and every row samples (temperature > 0); callers group rows so that this holds."""
+    if method == "greedy" or all(p.temperature == 0 for p in params):
         return lambda logits: (logits.argmax(-1), None)
+    if any(p.temperature == 0 for p in params):
+        raise ValueError("draft_sample_method 'probabilistic': group greedy rows (temperature 0) separately")
 
     def sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        q = token_probs(logits, params)
-        return torch.multinomial(q, 1, generator=generator).squeeze(-1), q
+        q = processed_probs(logits, params)                                                   # [B, V]
+        return torch.cat([torch.multinomial(q[b], 1, generator=g) for b, g in enumerate(generators)]), q
     return sample
+
+
+def accept_greedy_batch(logits: list[torch.Tensor], drafts: list[list[int]]) -> tuple[list[int], list[int]]:
+    """Greedy acceptance of several verify segments in one pass: target logits [n_i+1, V] of [anchor, d_1..d_n_i]
+    and drafts [n_i] per segment -> (accepted n_acc per segment, argmax at row n_acc per segment)."""
+    best = torch.cat(logits).argmax(-1)                                                     # [R]
+    dev = best.device
+    counts = torch.tensor([len(d) + 1 for d in drafts], device=dev)                          # [S]
+    firsts = counts.cumsum(0) - counts
+    seg = torch.repeat_interleave(torch.arange(len(drafts), device=dev), counts,
+                                  output_size=best.numel())                                   # [R] segment of row
+    local = torch.arange(best.numel(), device=dev) - firsts[seg]                             # row within segment
+    want = torch.tensor([t for d in drafts for t in d + [-1]], device=dev)                   # -1: the bonus row
+    first_miss = torch.where(want != best, local, best.numel())                              # the -1 row always misses
+    n_acc = torch.full_like(counts, best.numel()).scatter_reduce(0, seg, first_miss, "amin")
+    n_acc, nxt = torch.stack((n_acc, best[firsts + n_acc])).tolist()                     # one device sync
+    return n_acc, nxt
 
 
 def accept_greedy(logits: torch.Tensor, drafts: torch.Tensor) -> tuple[int, int]:
     """Target logits [n+1, V] of [anchor, d_1..d_n], drafts [n] -> (accepted n_acc, argmax at row n_acc)."""
-    best = logits.argmax(-1)
-    n_acc = int((drafts.to(best.device) == best[:-1]).long().cumprod(0).sum())
-    return n_acc, int(best[n_acc])
+    n_acc, nxt = accept_greedy_batch([logits], [drafts.tolist()])
+    return n_acc[0], nxt[0]
 
 
 def accept_rejection(p: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None,

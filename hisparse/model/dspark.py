@@ -252,27 +252,46 @@ class DSparkDrafter:
     def observe(self, req: Hashable, taps: dict[int, torch.Tensor], positions: torch.Tensor) -> None:
         """Context path for target positions [T] (ascending) whose tokens are accepted: taps {layer: [T, D]}."""
         W = self.cfg.mtp.sliding_window
-        positions = positions[-W:]
-        taps = {l: taps[l][-W:] for l in self.tap_layers}
-        self.cache.write(req, positions, self.model.context_rows(taps, *self._rope(positions)))
+        self.observe_batch([req], {l: taps[l][-W:] for l in self.tap_layers}, positions[-W:],
+                           [min(W, positions.numel())])
+
+    @torch.no_grad()
+    def observe_batch(self, reqs: list[Hashable], taps: dict[int, torch.Tensor], positions: torch.Tensor,
+                      counts: list[int]) -> None:
+        """The context path of several requests in one pass: taps {layer: [T, D]} at positions [T], where the
+        next counts[i] rows (ascending positions) belong to reqs[i]. Only a request's newest `sliding_window`
+        rows are ever read, so callers pass at most that many."""
+        rows = self.model.context_rows({l: taps[l] for l in self.tap_layers}, *self._rope(positions))   # [L, T, w]
+        for req, pos, r in zip(reqs, positions.split(counts), rows.split(counts, dim=1)):
+            self.cache.write(req, pos, r)
 
     @torch.no_grad()
     def propose(self, req: Hashable, anchor: int, pos: int, n: int, sample: DraftSampler
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """n drafts (1 <= n <= block_size) after `anchor` at position `pos`: tokens [n] and q [n, V] (or None)."""
+        dev = self.target.device
+        drafts, q = self.propose_batch([req], torch.tensor([anchor], device=dev), torch.tensor([pos], device=dev),
+                                       n, sample)
+        return drafts[0], (None if q is None else q[0])
+
+    @torch.no_grad()
+    def propose_batch(self, reqs: list[Hashable], anchors: torch.Tensor, pos: torch.Tensor, n: int,
+                      sample: DraftSampler) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One block forward for B requests: anchors [B] at positions pos [B] -> drafts [B, n] and q [B, n, V]
+        (or None); `sample` sees the B rows of each draft slot at once."""
         if not 1 <= n <= self.cfg.mtp.block_size:
             raise ValueError(f"num_speculative_tokens: {n} drafts, the drafter's block_size allows "
                              f"1..{self.cfg.mtp.block_size}")
-        dev, m = self.target.device, self.model
-        a = torch.tensor([anchor], device=dev)
-        x0 = torch.cat((self.target.tok_embeddings(a), m.mask_embeddings[: n - 1]))[None]
-        positions = torch.arange(pos, pos + n, device=dev)[None]                        # [1, n]
-        ctx, ctx_pos = self.cache.read(req)
-        g = m.block(x0, positions, *self._rope(positions), ctx[None], ctx_pos[None])      # [1, n, D]
+        dev, m, B = self.target.device, self.model, len(reqs)
+        anchors = anchors.to(dev)
+        x0 = torch.cat((self.target.tok_embeddings(anchors)[:, None],
+                        m.mask_embeddings[: n - 1].expand(B, -1, -1)), dim=1)               # [B, n, D]
+        positions = pos.to(dev)[:, None] + torch.arange(n, device=dev)                      # [B, n]
+        ctx, ctx_pos = zip(*(self.cache.read(r) for r in reqs))
+        g = m.block(x0, positions, *self._rope(positions), torch.stack(ctx), torch.stack(ctx_pos))   # [B, n, D]
         head = self.target.tok_embeddings.weight if self.target.output is None else self.target.output.weight
         u = F.linear(g, head)
-        drafts, q = m.draft(u.float() if u.dtype != torch.float64 else u, a, sample)
-        return drafts[0], (None if q is None else q[0])
+        return m.draft(u.float() if u.dtype != torch.float64 else u, anchors, sample)
 
     def truncate(self, req: Hashable, length: int) -> None:
         self.cache.truncate(req, length)

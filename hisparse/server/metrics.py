@@ -11,6 +11,7 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 20.0, 40.0, 80.0, 160.0, 640.0)
 TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
                 10.0, 20.0, 40.0, 80.0)
+ACCEPTANCE_LENGTH_BUCKETS = tuple(float(n) for n in range(1, 9))   # tokens emitted per verify: accepted + 1
 # KVStats field -> exported counter (cumulative in KVStats; the counters advance by each step's difference)
 KV_COUNTERS = {
     "hits": ("hisparse_cache_hits", "Selected latent rows already on the device"),
@@ -39,6 +40,22 @@ class Metrics:
         self.index_bytes = Gauge("hisparse_kv_index_cache_bytes", "Indexer-key bytes held on the device",
                                  registry=r)
         self._last = KVStats()
+        # speculative decoding (vLLM's spec_decode names; all zero when it is off)
+        self.spec_drafts = Counter("hisparse_spec_decode_num_drafts", "Verify steps (one per request per step)",
+                                   registry=r)
+        self.spec_draft_tokens = Counter("hisparse_spec_decode_num_draft_tokens", "Draft tokens verified",
+                                         registry=r)
+        self.spec_accepted_tokens = Counter("hisparse_spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                                            registry=r)
+        self.spec_accepted_per_pos = Counter("hisparse_spec_decode_num_accepted_tokens_per_pos",
+                                             "Verify steps that accepted the draft at this position (0-based)",
+                                             ["position"], registry=r)
+        self.spec_acceptance_length = Histogram("hisparse_spec_decode_acceptance_length",
+                                                "Tokens per verify step: accepted drafts + the correction/bonus token",
+                                                registry=r, buckets=ACCEPTANCE_LENGTH_BUCKETS)
+        self.spec_mean_accepted = Gauge("hisparse_spec_decode_mean_accepted_tokens_per_step",
+                                        "Mean drafts accepted per verify step since start", registry=r)
+        self._spec_steps = self._spec_accepted = 0
 
     def observe(self, s: StepStats) -> None:
         self.running.set(s.num_running)
@@ -57,6 +74,17 @@ class Metrics:
         self.pool_usage.set(s.kv_usage)
         self.reserved.set(s.kv_reserved_tokens)
         self.index_bytes.set(s.kv_index_cache_bytes)
+        if s.spec_accepted:
+            self.spec_drafts.inc(len(s.spec_accepted))
+            self.spec_draft_tokens.inc(s.spec_draft_tokens)
+            self.spec_accepted_tokens.inc(sum(s.spec_accepted))
+            for pos in range(max(s.spec_accepted)):
+                self.spec_accepted_per_pos.labels(str(pos)).inc(sum(n > pos for n in s.spec_accepted))
+            for n in s.spec_accepted:
+                self.spec_acceptance_length.observe(n + 1)
+            self._spec_steps += len(s.spec_accepted)
+            self._spec_accepted += sum(s.spec_accepted)
+            self.spec_mean_accepted.set(self._spec_accepted / self._spec_steps)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
