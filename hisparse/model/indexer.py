@@ -12,10 +12,13 @@ import torch
 from torch import nn
 
 from .config import ModelConfig, LayerSpec
+from .kernels import indexer_topk
 from .norm import LayerNorm
 from .rope import apply_rope
 
 SCORE_BLOCK_ELEMS = 1 << 24   # bound on the [rows, HI, S] score temporaries of one block
+FUSED_MIN_PAIRS = 1 << 12     # (query, key) pairs from which select uses the CPU kernel (faster at any size;
+                              # smaller inputs keep the torch reference path in use, at < 1 ms a call)
 
 
 def ssmax_gain(scaling: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -23,6 +26,25 @@ def ssmax_gain(scaling: torch.Tensor, positions: torch.Tensor, dtype: torch.dtyp
     logp = torch.log1p(positions.to(torch.float64)).to(dtype)
     sc = scaling.to(dtype)
     return logp[:, None] * sc[None, :, 0] + sc[None, :, 1]
+
+
+def index_scores(q: torch.Tensor, wr: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """I[t, s] = sum_h wr[t,h] relu(<q[t,h], keys[s]>), -inf where s > p_t: [T, S] (q [T, HI, dI], wr [T, HI]).
+
+    The rounding is part of the contract, because exact ties decide selections: every product and sum is rounded
+    on its own (no FMA, no GEMM blocking), d and h are summed left to right. So a score does not depend on S or
+    on the device, and the fused CPU kernel (kernels/indexer_topk.cpp) reproduces it bit for bit.
+    """
+    kt = keys.t()                                                          # [dI, S]
+    dots = q[:, :, 0, None] * kt[0]                                        # [T, HI, S]
+    for d in range(1, q.shape[2]):
+        dots.add_(q[:, :, d, None] * kt[d])
+    dots.relu_()
+    scores = wr[:, 0, None] * dots[:, 0]                                   # [T, S]
+    for h in range(1, q.shape[1]):
+        scores.add_(wr[:, h, None] * dots[:, h])
+    s_idx = torch.arange(keys.shape[0], device=keys.device)
+    return scores.masked_fill_(s_idx[None, :] > positions[:, None], float("-inf"))
 
 
 def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -82,20 +104,22 @@ class Indexer(nn.Module):
         w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).to(x.dtype)
         return q, k, w
 
+    def head_weights(self, w: torch.Tensor) -> torch.Tensor:
+        """w [T, HI] -> w / (sqrt(dI) sqrt(HI)): relu(x)/c == relu(x/c) for c > 0, so both scales go here."""
+        return w / (math.sqrt(self.head_dim) * math.sqrt(self.n_heads))
+
     def select(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Top-k over keys [S, dI] (positions 0..S-1) for queries q [T, HI, dI] at `positions` -> [T, min(k,S)]."""
+        """Top-k over keys [S, dI] (positions 0..S-1) for queries q [T, HI, dI] at `positions` -> [T, min(k,S)].
+
+        Large CPU inputs go to the fused kernel (scores never stored), the rest to index_scores + select_topk on
+        blocks of queries: both give identical selections."""
+        wr = self.head_weights(w)
         S = keys.shape[0]
+        if q.shape[0] * S >= FUSED_MIN_PAIRS and indexer_topk.supports(q, wr, keys) and indexer_topk.available():
+            return indexer_topk.fused_topk(q, wr, keys, (positions + 1).clamp(0, S), self.topk)[0]
         rows = max(1, SCORE_BLOCK_ELEMS // max(1, self.n_heads * S))
         out = []
         for i in range(0, q.shape[0], rows):   # blocks of queries bound the score memory
-            out.append(select_topk(self.scores(q[i:i + rows], w[i:i + rows], keys, positions[i:i + rows]),
+            out.append(select_topk(index_scores(q[i:i + rows], wr[i:i + rows], keys, positions[i:i + rows]),
                                    self.topk))
         return torch.cat(out)
-
-    def scores(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """I[t, s] = sum_h (w[t,h]/sqrt(HI)) relu(<Q[t,h], K[s]>/sqrt(dI)), -inf where s > p_t: [T, S]."""
-        dots = torch.relu_(torch.einsum("thd,sd->ths", q, keys))
-        # relu(x)/c == relu(x/c) for c > 0: both scales are applied to the head weights
-        scores = torch.einsum("ths,th->ts", dots, w / (math.sqrt(self.head_dim) * math.sqrt(self.n_heads)))
-        s_idx = torch.arange(keys.shape[0], device=keys.device)
-        return scores.masked_fill(s_idx[None, :] > positions[:, None], float("-inf"))

@@ -1,0 +1,122 @@
+"""Fused CPU indexer scoring + exact top-k (indexer_topk.cpp), built with the system C++ compiler on first use.
+
+Why not a torch C++ extension: the kernel needs only raw pointers, so a plain shared library loaded with ctypes
+builds in ~2 s (a torch extension compiles the torch headers for ~1 min and needs ninja). The library is built
+with -march=native and cached per user in $HISPARSE_CACHE/kernels (default ~/.cache/hisparse), under a name
+that hashes the source, flags, compiler and CPU. Without a working compiler `available()` is False and callers
+use the torch path, which gives bit-identical selections.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from functools import cache
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("indexer_topk.cpp")
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC"]
+OPENMP = ["-fopenmp"]   # libgomp.so.1: the runtime torch itself loads, so threads are shared, not doubled
+FUNCTIONS = {torch.float32: "indexer_topk_f32", torch.float64: "indexer_topk_f64"}
+
+
+def _cpu_id() -> str:
+    """What -march=native depends on: the CPU's model and feature flags."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        return "".join(l for l in info.splitlines(keepends=True) if l.startswith(("model name", "flags")))[:4096]
+    except OSError:
+        return platform.processor() + platform.machine()
+
+
+def _build(cxx: str, out: Path) -> None:
+    """Compile SOURCE to `out` (atomically: concurrent first uses each write a temp file and rename it)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        for extra in (OPENMP, []):   # without OpenMP the kernel still runs, on one thread
+            proc = subprocess.run([cxx, *FLAGS, *extra, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+            if proc.returncode == 0:
+                os.replace(tmp, out)
+                return
+        raise RuntimeError(f"{cxx} failed to build {SOURCE.name}:\n{proc.stderr[-2000:]}")
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@cache
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel library, built on first call; None (with one warning) when it cannot be built."""
+    cxx = shutil.which(os.environ.get("CXX", "g++"))
+    if cxx is None:
+        warnings.warn("no C++ compiler (set CXX): the indexer uses the slower torch top-k path")
+        return None
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, *OPENMP, version, _cpu_id()]).encode()).hexdigest()
+    root = Path(os.environ.get("HISPARSE_CACHE", Path.home() / ".cache" / "hisparse")) / "kernels"
+    path = root / f"indexer_topk-{key[:16]}.so"
+    try:
+        if not path.exists():
+            _build(cxx, path)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, RuntimeError) as e:
+        warnings.warn(f"indexer kernel unavailable ({e}); using the slower torch top-k path")
+        return None
+    for name in FUNCTIONS.values():
+        fn = getattr(lib, name)
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5 + [ctypes.c_void_p] * 2 + [ctypes.c_int]
+    return lib
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def supports(q: torch.Tensor, wr: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether fused_topk can take these inputs (CPU, fp32 or fp64, one dtype)."""
+    return (keys.device.type == "cpu" and q.device.type == "cpu" and keys.dtype in FUNCTIONS
+            and q.dtype == keys.dtype == wr.dtype)
+
+
+def fused_topk(q: torch.Tensor, wr: torch.Tensor, keys: torch.Tensor, n_visible: torch.Tensor, k: int,
+               with_scores: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Exact top-k of index_scores over the first n_visible[t] keys of each row, never materialising [T, S].
+
+    q [T, HI, dI], wr [T, HI] (scaled head weights), keys [S, dI] in position order, n_visible [T] (0..S) ->
+    cols [T, min(k, S)]: the selected key indices, ascending, -1 padded (score descending, ties to the lower
+    index), and with_scores: their scores [T, min(k, S)], -inf padded. For a prefix cache (key s at position s,
+    n_visible = p + 1) cols equals select_topk(index_scores(...), k).
+    """
+    lib = library()
+    if lib is None or not supports(q, wr, keys):
+        raise RuntimeError("fused_topk needs the built kernel and CPU fp32/fp64 inputs of one dtype")
+    T, HI, dI = q.shape
+    S = keys.shape[0]
+    if keys.shape[1] != dI or wr.shape != (T, HI) or n_visible.shape != (T,):
+        raise ValueError(f"fused_topk: shapes q {tuple(q.shape)}, wr {tuple(wr.shape)}, keys {tuple(keys.shape)}, "
+                         f"n_visible {tuple(n_visible.shape)} do not match")
+    q, wr, keys = q.contiguous(), wr.contiguous(), keys.contiguous()
+    n_vis = n_visible.to(torch.int64).contiguous()
+    cols = torch.empty(T, min(k, S), dtype=torch.int64)
+    scores = torch.empty(T, min(k, S), dtype=q.dtype) if with_scores else None
+    rc = getattr(lib, FUNCTIONS[q.dtype])(q.data_ptr(), wr.data_ptr(), keys.data_ptr(), n_vis.data_ptr(), T, HI, dI,
+                                          S, k, cols.data_ptr(), scores.data_ptr() if with_scores else None,
+                                          torch.get_num_threads())
+    if rc == 1:
+        raise ValueError(f"fused_topk: index_n_heads={HI}, index_head_dim={dI}, index_topk={k} must be >= 1")
+    if rc == 2:
+        raise ValueError(f"fused_topk: n_visible must lie in [0, {S}]")
+    if rc == 3:
+        raise MemoryError(f"fused_topk: no memory for the transposed keys ({S} x {dI})")
+    return cols, scores

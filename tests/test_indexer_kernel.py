@@ -1,0 +1,159 @@
+"""The fused CPU indexer top-k (hisparse/model/kernels) against the torch path, and the torch path against a
+plain sort (spec §3.6: score descending, ties by position ascending).
+
+The kernel must give exactly the torch path's selections (and scores), including exact ties (integer-valued
+inputs, ReLU zeros, duplicated keys), rows that see fewer than k keys, -1 padding, fp32 and fp64. A model built
+on either path must produce bit-identical logits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import full_forward, random_tokens, tiny_model
+from hisparse.model import indexer as indexer_module
+from hisparse.model.batch import ForwardTrace, Segment
+from hisparse.model.indexer import index_scores, select_topk
+from hisparse.model.kernels.indexer_topk import fused_topk
+from hisparse.model.kv import ResidentKV
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def random_case(g: torch.Generator, dtype: torch.dtype, kind: str, T: int, S: int, HI: int, dI: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [T, HI, dI], wr [T, HI], keys [S, dI], n_visible [T]. kind: 'normal', 'ties' (small integers: many
+    exact ties and ReLU zeros, some zero or all-negative head weights) or 'dup' (repeated keys)."""
+    q = torch.randn(T, HI, dI, generator=g, dtype=dtype)
+    keys = torch.randn(S, dI, generator=g, dtype=dtype)
+    wr = torch.randn(T, HI, generator=g, dtype=dtype)
+    if kind == "ties":
+        q, keys = q.mul(1.5).round(), keys.mul(1.5).round()
+        wr = wr.mul(2).round()
+        wr[: T // 3] = -wr[: T // 3].abs()                          # rows whose scores are all <= 0
+    elif kind == "dup":
+        keys = keys[torch.randint(0, max(1, S // 4), (S,), generator=g)]
+    n_visible = torch.randint(0, S + 1, (T,), generator=g)
+    n_visible[0] = S
+    return q, wr, keys, n_visible
+
+
+def torch_topk(q: torch.Tensor, wr: torch.Tensor, keys: torch.Tensor, n_visible: torch.Tensor, k: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch path: full scores, select_topk, and the scores at the selected columns."""
+    scores = index_scores(q, wr, keys, n_visible - 1)
+    cols = select_topk(scores, k)
+    picked = scores.gather(1, cols.clamp(min=0)).masked_fill(cols < 0, float("-inf"))
+    return cols, picked
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("kind", ["normal", "ties", "dup"])
+def test_fused_equals_torch_path(seed: int, dtype: torch.dtype, kind: str) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(12):
+        T, S = int(torch.randint(1, 40, (1,), generator=g)), int(torch.randint(1, 1500, (1,), generator=g))
+        HI, dI = int(torch.randint(1, 6, (1,), generator=g)), int(torch.randint(1, 24, (1,), generator=g))
+        k = int(torch.randint(1, 48, (1,), generator=g))
+        q, wr, keys, n_visible = random_case(g, dtype, kind, T, S, HI, dI)
+        cols, scores = fused_topk(q, wr, keys, n_visible, k, with_scores=True)
+        want_cols, want_scores = torch_topk(q, wr, keys, n_visible, k)
+        case = f"T={T} S={S} HI={HI} dI={dI} k={k}"
+        assert torch.equal(cols, want_cols), case
+        assert torch.equal(scores, want_scores), case                  # bit-identical scores
+        assert torch.equal((cols >= 0).sum(1), n_visible.clamp(max=k)), case
+
+
+@pytest.mark.parametrize("k", [8, 200])
+def test_fused_long_context(seed: int, k: int) -> None:
+    """Many key blocks and heap replacements; rows at the end of a 40k-token context, as in chunked prefill."""
+    g = torch.Generator().manual_seed(seed)
+    S, T = 40_000, 6
+    q, wr, keys, _ = random_case(g, torch.float32, "normal", T, S, 2, 16)
+    n_visible = torch.arange(S - T + 1, S + 1)
+    assert torch.equal(fused_topk(q, wr, keys, n_visible, k)[0], torch_topk(q, wr, keys, n_visible, k)[0])
+
+
+def test_fused_threads_agree(seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    q, wr, keys, n_visible = random_case(g, torch.float32, "ties", 33, 3000, 3, 16)
+    one = fused_topk(q, wr, keys, n_visible, 16)[0]
+    torch.set_num_threads(2)
+    assert torch.equal(fused_topk(q, wr, keys, n_visible, 16)[0], one)
+
+
+def test_fused_rejects_bad_inputs() -> None:
+    q, wr, keys = torch.zeros(2, 2, 4), torch.zeros(2, 2), torch.zeros(5, 4)
+    with pytest.raises(ValueError, match="n_visible"):
+        fused_topk(q, wr, keys, torch.tensor([1, 6]), 3)
+    with pytest.raises(ValueError, match="keys"):
+        fused_topk(q, wr, torch.zeros(5, 3), torch.tensor([1, 2]), 3)
+    with pytest.raises(RuntimeError, match="fp32/fp64"):
+        fused_topk(q.bfloat16(), wr.bfloat16(), keys.bfloat16(), torch.tensor([1, 2]), 3)
+
+
+def test_torch_path_against_sort_and_spec(seed: int) -> None:
+    """select_topk(index_scores) picks what a plain sort on (-score, position) picks, and index_scores is the
+    §3.6 formula (fp64 einsum reference, up to rounding)."""
+    g = torch.Generator().manual_seed(seed)
+    q, wr, keys, n_visible = random_case(g, torch.float32, "ties", 24, 300, 2, 8)
+    scores = index_scores(q, wr, keys, n_visible - 1)
+    cols = select_topk(scores, 10)
+    for t in range(scores.shape[0]):
+        ranked = sorted(range(int(n_visible[t])), key=lambda s: (-float(scores[t, s]), s))
+        assert [c for c in cols[t].tolist() if c >= 0] == sorted(ranked[:10])
+    q, wr, keys, n_visible = random_case(g, torch.float32, "normal", 24, 300, 2, 8)
+    ref = torch.einsum("th,ths->ts", wr.double(), torch.relu(torch.einsum("thd,sd->ths", q.double(), keys.double())))
+    got = index_scores(q, wr, keys, torch.full((24,), 299))
+    assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_select_paths_and_chunks_identical(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Indexer.select: the fused and torch paths agree, and a chunk's selection does not depend on how many
+    later keys the cache holds."""
+    model = tiny_model(seed, dtype=torch.float32)
+    ix = model.layers[0].attention.indexer
+    g = torch.Generator().manual_seed(seed)
+    S, T = 700, 64
+    q, w, keys = torch.randn(T, 2, 16, generator=g), torch.randn(T, 2, generator=g), torch.randn(S, 16, generator=g)
+    pos = torch.arange(S - 2 * T, S - T)
+    monkeypatch.setattr(indexer_module, "FUSED_MIN_PAIRS", 1 << 62)
+    torch_sel = ix.select(q, w, keys[: S - T], pos)
+    monkeypatch.setattr(indexer_module, "FUSED_MIN_PAIRS", 0)
+    assert torch.equal(ix.select(q, w, keys[: S - T], pos), torch_sel)
+    assert torch.equal(ix.select(q, w, keys, pos), torch_sel)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_model_bit_identical_on_both_paths(seed: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tiny model's full forward gives bit-identical logits and selections on the torch and the fused path."""
+    model = tiny_model(seed, dtype=dtype)
+    tokens = random_tokens(96, model.cfg.vocab_size, seed)
+    monkeypatch.setattr(indexer_module, "FUSED_MIN_PAIRS", 1 << 62)
+    ref_logits, ref_trace = full_forward(model, tokens)
+    monkeypatch.setattr(indexer_module, "FUSED_MIN_PAIRS", 0)
+    logits, trace = full_forward(model, tokens)
+    assert torch.equal(logits, ref_logits)
+    for layer, sels in ref_trace.selections.items():
+        assert torch.equal(trace.selections[layer][0], sels[0]), f"layer {layer}"
+
+
+def test_chunked_prefill_on_fused_path(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunked prefill on the fused path selects what one full forward on the torch path selects (fp64: chunk
+    shapes then cannot move a score by an ulp)."""
+    model = tiny_model(seed)
+    tokens = random_tokens(96, model.cfg.vocab_size, seed)
+    monkeypatch.setattr(indexer_module, "FUSED_MIN_PAIRS", 1 << 62)
+    ref_logits, ref_trace = full_forward(model, tokens)
+    monkeypatch.setattr(indexer_module, "FUSED_MIN_PAIRS", 0)
+    kv, chunks, sels = ResidentKV(model.cfg, layout=None, dtype=model.dtype), [], {}
+    for start in range(0, 96, 40):
+        n = min(40, 96 - start)
+        trace = ForwardTrace()
+        chunks.append(model(tokens[start:start + n], [Segment(0, start, n)], kv, trace=trace))
+        for layer, s in trace.selections.items():
+            sels.setdefault(layer, []).append(s[0])
+    for layer, ref in ref_trace.selections.items():
+        assert torch.equal(torch.cat(sels[layer]), ref[0]), f"layer {layer}"
+    assert torch.allclose(torch.cat(chunks), ref_logits, rtol=0, atol=1e-9 * float(ref_logits.abs().max()))
