@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -13,6 +14,9 @@ from .indexer import Indexer, ssmax_gain
 from .kv import LatentKV
 from .norm import RMSNorm
 from .rope import LeRoPE, apply_rope, rope_cos_sin, rope_frequencies
+
+if TYPE_CHECKING:
+    from ..dcp.context import DCPContext
 
 
 @dataclass
@@ -26,6 +30,11 @@ class AttentionBatch:
     sin: torch.Tensor
     selections: dict[int, list[torch.Tensor]]    # indexer-owner layer -> per segment [T, k]
     trace: ForwardTrace | None = None
+
+    @property
+    def dcp(self) -> "DCPContext | None":
+        """The decode-context-parallel hook of this rank (spec §7), carried by its sharded KV; None: one rank."""
+        return self.kv.dcp
 
 
 def sparse_mla(q_lat: torch.Tensor, q_rope: torch.Tensor | None, rows: torch.Tensor, valid: torch.Tensor,
@@ -82,12 +91,15 @@ class MLA(nn.Module):
         selections = self.select(x, b, cos, sin)
         w_kvb = self.wkv_b.weight.view(H, dN + cfg.v_head_dim, r)
         q_lat = torch.einsum("thd,hdc->thc", q_nope, w_kvb[:, :dN])                 # [N, H, r]
-        olat = torch.empty_like(q_lat)
-        for seg, sl, sel in zip(b.segments, b.slices, selections):
-            uniq, inv = torch.unique(sel.clamp(min=0), return_inverse=True)
-            rows = b.kv.gather(spec.index, seg.req, uniq)[inv]                       # [T, k, r + dR]
-            olat[sl], _ = sparse_mla(q_lat[sl], q_rope[sl] if q_rope is not None else None, rows, sel >= 0,
-                                     self.scale, r)
+        if b.dcp is not None:    # partial attention over this rank's rows, LSE-combined across ranks
+            olat = b.dcp.attend(q_lat, q_rope, selections, b, spec.index, self.scale)
+        else:
+            olat = torch.empty_like(q_lat)
+            for seg, sl, sel in zip(b.segments, b.slices, selections):
+                uniq, inv = torch.unique(sel.clamp(min=0), return_inverse=True)
+                rows = b.kv.gather(spec.index, seg.req, uniq)[inv]                   # [T, k, r + dR]
+                olat[sl], _ = sparse_mla(q_lat[sl], q_rope[sl] if q_rope is not None else None, rows, sel >= 0,
+                                         self.scale, r)
         o = torch.einsum("thc,hvc->thv", olat, w_kvb[:, dN:])                        # [N, H, dV]
         return self.wo(o.flatten(1))
 
@@ -110,11 +122,14 @@ class MLA(nn.Module):
             sels = b.selections[self.spec.index_source]
         else:
             q, k, w = self.indexer.project(x, b.positions, cos, sin)
-            sels = []
-            for seg, sl in zip(b.segments, b.slices):
-                b.kv.index_cache.write(self.spec.index, seg.req, b.positions[sl], k[sl])
-                keys = b.kv.index_cache.prefix(self.spec.index, seg.req, seg.start + seg.length)
-                sels.append(self.indexer.select(q[sl], w[sl], keys, b.positions[sl]))
+            if b.dcp is not None:    # own keys only; exact global merge of every rank's candidates
+                sels = b.dcp.select(self.indexer, q, k, w, b, self.spec.index)
+            else:
+                sels = []
+                for seg, sl in zip(b.segments, b.slices):
+                    b.kv.index_cache.write(self.spec.index, seg.req, b.positions[sl], k[sl])
+                    keys = b.kv.index_cache.prefix(self.spec.index, seg.req, seg.start + seg.length)
+                    sels.append(self.indexer.select(q[sl], w[sl], keys, b.positions[sl]))
             b.selections[self.spec.index] = sels
         if b.trace is not None:
             b.trace.selections[self.spec.index] = sels

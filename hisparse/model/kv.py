@@ -78,6 +78,8 @@ class KVStats:
 class LatentKV(ABC):
     """Where latent rows (c || k_rope, width r + dR) live. Positions are absolute token positions."""
 
+    dcp = None   # hisparse.dcp.context.DCPContext when this store holds one rank's shard (hisparse.dcp.kv.ShardedKV)
+
     def __init__(self, cfg: ModelConfig, layout: str | None, device: torch.device | str, dtype: torch.dtype):
         self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
         self.layout = RowLayout.for_config(cfg, layout) if layout else None
