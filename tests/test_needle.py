@@ -1,0 +1,171 @@
+"""benchmarks/needle end to end: two real `hisparse serve` processes (HiSparse with a small hot buffer, and
+--kv-offload none) driven by `python -m benchmarks.needle`; plus the prompt builder against an independent
+tokenization and the retrieval scorer on fresh random text."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import socket
+import subprocess
+import sys
+import time
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+from benchmarks.needle.corpus import Corpus
+from benchmarks.needle.harness import retrieved
+from benchmarks.needle.prompt import INTRO, PromptBuilder, needle_sentence
+from benchmarks.needle.tokens import LocalCounter
+from hisparse.model.tiny import builtin_tiny
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_MODEL_LEN = 2048
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def serve(ckpt: Path, offload: str, log: Path):
+    """A `hisparse serve` subprocess on a free port; yields its /v1 URL once /health answers."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "hisparse.cli", "serve", "--model", str(ckpt), "--port", str(port),
+           "--kv-offload", offload, "--max-model-len", str(MAX_MODEL_LEN), "--host-pool-gib", "0.05",
+           "--hot-buffer-tokens", "16", "--resident-window", "8", "--max-num-batched-tokens", "1024",
+           "--device", "cpu", "--log-level", "warning"]
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        yield proc, f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, f"server exited:\n{log.read_text()}"
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"server did not start:\n{log.read_text()}"
+        time.sleep(0.3)
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory):
+    """{"hisparse": url, "none": url}: both start at once (they load in parallel)."""
+    ckpt, logs = builtin_tiny(), tmp_path_factory.mktemp("needle_logs")
+    with ExitStack() as stack:
+        started = {m: (*stack.enter_context(serve(ckpt, m, logs / f"{m}.log")), logs / f"{m}.log")
+                   for m in ("hisparse", "none")}
+        for proc, url, log in started.values():
+            wait_healthy(proc, url, log)
+        yield {m: url for m, (_, url, _) in started.items()}
+
+
+def run_needle(args: list[str]) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.needle", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_hisparse_on_equals_off(servers: dict[str, str], tmp_path: Path) -> None:
+    """The harness against HiSparse (16 hot slots, 8-token window: most selected rows are misses) and against
+    all-resident KV: every prompt has exactly its target length by the server's own count, and every greedy
+    completion is identical on both."""
+    out = tmp_path / "run"
+    proc = run_needle(["--base-url", f"{servers['hisparse']}/v1", "--compare-base-url", f"{servers['none']}/v1",
+                       "--lengths", "1k,max", "--depths", "0,50,100", "--seeds", "1", "--max-tokens", "8",
+                       "--tokenizer", str(builtin_tiny()), "--out", str(out)])
+    result = json.loads((out / "needle.json").read_text())
+    assert result["config"]["lengths"] == {"1k": 1024, "max": MAX_MODEL_LEN - 8}
+    records = result["records"]
+    assert len(records) == 6
+    for r in records:
+        for name in ("base", "compare"):
+            a = r["answers"][name]
+            assert a["error"] is None and a["completion_tokens"] == 8
+            assert a["prompt_tokens"] == r["target"] == r["tokens"]
+        assert r["identical"] is True
+        assert re.fullmatch(r"\d{7}", r["value"])
+    assert result["summary"]["agreement"] == {"hits": 6, "n": 6, "rate": 1.0}
+    assert len(result["cells"]) == 6 and all(c["agreement"]["rate"] == 1.0 for c in result["cells"])
+    # distinct passkeys per cell, and the summary line and progress bar on the terminal
+    assert len({r["value"] for r in records}) == 6
+    assert "base == compare 6/6 (100.0%)" in proc.stdout
+    assert "needle:" in proc.stderr and "req" in proc.stderr
+    png = (out / "needle.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.image
+    h, w, _ = matplotlib.image.imread(out / "needle.png").shape
+    assert w > 3 * h > 300   # three panels side by side
+
+
+def test_server_usage_counts(servers: dict[str, str], tmp_path: Path) -> None:
+    """Without a tokenizer the harness counts with the server's usage (completions API): lengths land within a
+    few tokens of the target."""
+    out = tmp_path / "usage"
+    run_needle(["--base-url", f"{servers['hisparse']}/v1", "--lengths", "700", "--depths", "50", "--seeds", "1",
+                "--max-tokens", "4", "--api", "completions", "--out", str(out)])
+    (r,) = json.loads((out / "needle.json").read_text())["records"]
+    assert r["answers"]["base"]["error"] is None
+    assert abs(r["answers"]["base"]["prompt_tokens"] - 700) <= 8
+
+
+@pytest.mark.parametrize("api", ["chat", "completions"])
+def test_prompt_exact_length_and_depth(api: str, seed: int) -> None:
+    """Fresh random lengths and depths: the request tokenized independently (mistral-common's chat encoding or
+    plain encode) has exactly the target length, holds the needle once, after the intro, with the fraction of
+    haystack tokens before it within one sentence of the requested depth."""
+    counter = LocalCounter(builtin_tiny())
+    builder = PromptBuilder(Corpus(), counter, api)
+    rng = random.Random(seed)
+    text_tok = counter.text
+    for _ in range(4):
+        target, depth = rng.randint(200, 2000), rng.choice([0.0, 1.0, rng.random()])
+        value = str(rng.randint(10**6, 10**7 - 1))
+        p = builder.build(target, depth, value)
+        ids = counter.encode(api, p.content)
+        assert len(ids) == p.tokens == target
+        assert p.content.count(needle_sentence(value)) == 1 and p.content.startswith(INTRO)
+        before, after = p.content.split(needle_sentence(value))
+        haystack_before = before[len(INTRO):]
+        haystack_after = after.split("What is the secret passkey?")[0]
+        n_before = len(text_tok.encode(haystack_before, bos=False, eos=False))
+        n_after = len(text_tok.encode(haystack_after, bos=False, eos=False))
+        sentences = re.split(r"(?<=[.!?])\s", haystack_before + haystack_after)
+        longest = max(len(text_tok.encode(s, bos=False, eos=False)) for s in sentences)
+        assert abs(n_before / (n_before + n_after) - depth) <= (longest + 2) / (n_before + n_after)
+        if depth == 0.0:
+            assert n_before == 0
+        if depth == 1.0:
+            assert n_after <= 1
+
+
+def test_retrieved_whole_numbers(seed: int) -> None:
+    rng = random.Random(seed)
+    for _ in range(200):
+        value = str(rng.randint(10**6, 10**7 - 1))
+        noise = "".join(rng.choice("abc .,\n") for _ in range(rng.randint(0, 12)))
+        assert retrieved(value, noise + value + noise[::-1])
+        digit = str(rng.randint(0, 9))
+        assert not retrieved(value, noise + digit + value + noise)     # inside a longer number
+        assert not retrieved(value, noise + value + digit)
+        assert not retrieved(value, noise + value[:-1] + " " + value[-1])
