@@ -122,8 +122,9 @@ def stats_delta(a: KVStats, b: KVStats) -> dict:
 
 
 def git_commit() -> str | None:
+    """HEAD, with -dirty when the working tree has changes."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+        return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
                               cwd=Path(__file__).parent, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
@@ -224,6 +225,8 @@ def run(args: argparse.Namespace) -> dict:
         "decode_s_per_token": round(decode_s / max(1, args.decode - 1), 3),
         "load_average_1_5_15": os.getloadavg(),
         "projected_prefill": {str(n): clock.projected(n) for n in (args.tokens, MILLION)},
+        "prefill_points_tokens_wall_cpu": [(p, round(w, 2), round(c, 2)) for (p, w), (_, c) in
+                                           zip(clock.wall, clock.cpu)],
         "peak_rss_bytes": peak_rss_bytes(),
         "host_pool_used_bytes": pool_used,
         "device_bytes_end_of_prefill": device_prefill, "device_bytes_last_decode_step": device_decode,
