@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 
 $(BIN)/hisparse: pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q -e '.[server,test]'
+	$(BIN)/pip install -q -e '.[server,test,bench]'
 	touch $@
 
 # vLLM (CPU build) in its own venv, for the connector's end-to-end test (about 3 minutes the first time)
