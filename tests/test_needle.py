@@ -8,14 +8,11 @@ import json
 import os
 import random
 import re
-import socket
 import subprocess
 import sys
-import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-import httpx
 import pytest
 
 from benchmarks.needle.corpus import Corpus
@@ -23,15 +20,10 @@ from benchmarks.needle.harness import retrieved
 from benchmarks.needle.prompt import INTRO, PromptBuilder, needle_sentence
 from benchmarks.needle.tokens import LocalCounter
 from hisparse.model.tiny import builtin_tiny
+from serving import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_MODEL_LEN = 2048
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager
@@ -52,19 +44,6 @@ def serve(ckpt: Path, offload: str, log: Path):
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
-
-
-def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        assert proc.poll() is None, f"server exited:\n{log.read_text()}"
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, f"server did not start:\n{log.read_text()}"
-        time.sleep(0.3)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import openai
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
+from serving import free_port, wait_healthy
 
 from hisparse.engine.generate import greedy_generate
 from hisparse.model.kv import ResidentKV
@@ -64,12 +64,6 @@ class Server:
             time.sleep(0.2)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def launch(log: Path, *extra: str) -> Iterator[Server]:
     """Run `hisparse serve` on the built-in tiny checkpoint (HiSparse, small hot buffer) with `extra` flags until
@@ -85,16 +79,7 @@ def launch(log: Path, *extra: str) -> Iterator[Server]:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, f"server exited:\n{log.read_text()}"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, f"server did not start:\n{log.read_text()}"
-            time.sleep(0.3)
+        wait_healthy(proc, url, log)
         yield Server(url, ckpt.name, ckpt, log)
     finally:
         proc.terminate()
