@@ -2,7 +2,7 @@
 served by the engine of `hisparse serve` with HiSparse KV on this machine's CPU.
 
     python -m benchmarks.needle.million [--model DIR] [--tokens 1048576] [--decode 32] [--chunk 4096] \\
-        [--threads 2] [--out results/needle/million.json]
+        [--threads 1] [--out results/needle/million.json]
 
 It drives the serving engine (`hisparse.engine.Engine`: scheduler, chunked prefill, sampler, HiSparseKV)
 in-process rather than over HTTP, so that prefill and decode are timed apart at the step where the first token
@@ -252,7 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tokens", type=int, default=MILLION, help="prompt tokens")
     ap.add_argument("--decode", type=int, default=32, help="greedy tokens to generate")
     ap.add_argument("--chunk", type=int, default=4096, help="prefill chunk (max_num_batched_tokens)")
-    ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads (more than 1 spin-waits badly on a busy machine)")
     ap.add_argument("--kv-layout", choices=("fp8_ds_mla", "bf16"), default="fp8_ds_mla")
     ap.add_argument("--hot-buffer-tokens", type=int, default=None)
     ap.add_argument("--resident-window", type=int, default=None)

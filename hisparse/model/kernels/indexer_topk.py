@@ -80,6 +80,7 @@ def library() -> ctypes.CDLL | None:
 
 
 def available() -> bool:
+    """Whether the kernel is built and loaded (builds it on first call)."""
     return library() is not None
 
 
@@ -118,5 +119,5 @@ def fused_topk(q: torch.Tensor, wr: torch.Tensor, keys: torch.Tensor, n_visible:
     if rc == 2:
         raise ValueError(f"fused_topk: n_visible must lie in [0, {S}]")
     if rc == 3:
-        raise MemoryError(f"fused_topk: no memory for the transposed keys ({S} x {dI})")
+        raise MemoryError(f"fused_topk: out of memory for the per-thread buffers (k={k}, HI={HI}, dI={dI})")
     return cols, scores
