@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 import subprocess
 import time
 from pathlib import Path
@@ -28,3 +30,18 @@ def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float = 1
             pass
         assert time.monotonic() < deadline, f"server did not start:\n{log.read_text()}"
         time.sleep(0.3)
+
+
+@contextmanager
+def running(cmd: list[str], log: Path, env: dict[str, str]) -> Iterator[subprocess.Popen]:
+    """Run `cmd` with output to `log` for the duration of the block; terminate (then kill) it afterwards."""
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
+    try:
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()

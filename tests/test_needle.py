@@ -20,7 +20,7 @@ from benchmarks.needle.harness import retrieved
 from benchmarks.needle.prompt import INTRO, PromptBuilder, needle_sentence
 from benchmarks.needle.tokens import LocalCounter
 from hisparse.model.tiny import builtin_tiny
-from serving import free_port, wait_healthy
+from serving import free_port, running, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_MODEL_LEN = 2048
@@ -34,16 +34,8 @@ def serve(ckpt: Path, offload: str, log: Path):
            "--kv-offload", offload, "--max-model-len", str(MAX_MODEL_LEN), "--host-pool-gib", "0.05",
            "--hot-buffer-tokens", "16", "--resident-window", "8", "--max-num-batched-tokens", "1024",
            "--device", "cpu", "--log-level", "warning"]
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    try:
+    with running(cmd, log, dict(os.environ, OMP_NUM_THREADS="1")) as proc:
         yield proc, f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -20,7 +19,7 @@ import openai
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
-from serving import free_port, wait_healthy
+from serving import free_port, running, wait_healthy
 
 from hisparse.engine.generate import greedy_generate
 from hisparse.model.kv import ResidentKV
@@ -75,18 +74,10 @@ def launch(log: Path, *extra: str) -> Iterator[Server]:
            "--hot-buffer-tokens", str(HOT), "--resident-window", str(WINDOW), "--max-num-seqs", "32",
            "--device", "cpu", "--log-level", "warning", *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
-    try:
+    with running(cmd, log, env) as proc:
         wait_healthy(proc, url, log)
         yield Server(url, ckpt.name, ckpt, log)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 @pytest.fixture(scope="module")
