@@ -1,4 +1,4 @@
-"""`hisparse` command line: make-tiny, generate, logits, serve."""
+"""`hisparse` command line: make-tiny, generate, logits, serve, train-needle."""
 
 from __future__ import annotations
 
@@ -97,6 +97,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
     serve(args, _model_dir(args.model), lambda cfg: make_kv(args, cfg))
 
 
+def cmd_train_needle(args: argparse.Namespace) -> None:
+    from .train.trainer import main
+    main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="hisparse", description="Long-context ML4 serving with host-memory sparse KV")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -143,6 +148,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     add_kv_args(p)
     p.set_defaults(fn=cmd_serve)
+
+    p = sub.add_parser("train-needle", help="train the tiny passkey-retrieval ML4 on the CPU and evaluate it")
+    p.add_argument("--out", default="checkpoints/needle-ml4", help="checkpoint dir to write")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1: bit-reproducible for a seed)")
+    p.add_argument("--eval-only", action="store_true", help="skip training; evaluate the checkpoint in --out")
+    p.add_argument("--eval-chars", default="1000,4000,8000", help="haystack lengths (characters = tokens)")
+    p.add_argument("--eval-samples", type=int, default=20, help="fresh passkey prompts per length")
+    p.add_argument("--hot-buffer-tokens", type=int, default=128, help="HiSparse hot slots used by the evaluation")
+    p.set_defaults(fn=cmd_train_needle)
     return ap
 
 

@@ -17,7 +17,8 @@ import pytest
 
 from benchmarks.needle.corpus import Corpus
 from benchmarks.needle.harness import retrieved
-from benchmarks.needle.prompt import INTRO, PromptBuilder, needle_sentence
+from benchmarks.needle.prompt import PromptBuilder
+from hisparse.train.passkey import INTRO, SyntheticHaystack, needle_sentence
 from benchmarks.needle.tokens import LocalCounter
 from hisparse.model.tiny import builtin_tiny
 from serving import free_port, running, wait_healthy
@@ -100,13 +101,14 @@ def test_server_usage_counts(servers: dict[str, str], tmp_path: Path) -> None:
     assert abs(r["answers"]["base"]["prompt_tokens"] - 700) <= 8
 
 
-@pytest.mark.parametrize("api", ["chat", "completions"])
-def test_prompt_exact_length_and_depth(api: str, seed: int) -> None:
+@pytest.mark.parametrize("api,haystack", [("chat", "corpus"), ("completions", "corpus"),
+                                         ("completions", "synthetic")])
+def test_prompt_exact_length_and_depth(api: str, haystack: str, seed: int) -> None:
     """Fresh random lengths and depths: the request tokenized independently (mistral-common's chat encoding or
     plain encode) has exactly the target length, holds the needle once, after the intro, with the fraction of
     haystack tokens before it within one sentence of the requested depth."""
     counter = LocalCounter(builtin_tiny())
-    builder = PromptBuilder(Corpus(), counter, api)
+    builder = PromptBuilder(Corpus() if haystack == "corpus" else SyntheticHaystack(seed), counter, api)
     rng = random.Random(seed)
     text_tok = counter.text
     for _ in range(4):

@@ -18,10 +18,13 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from hisparse.train.passkey import SyntheticHaystack
+
 from .corpus import Corpus
 from .harness import (Endpoint, cell_table, parse_depths, parse_lengths, record_json, resolve_lengths, run_grid,
                       summarize, summary_line)
 from .plot import heatmap
+
 from .prompt import PromptBuilder
 from .tokens import LocalCounter, ServerCounter
 
@@ -37,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prompt lengths in tokens (k = 1024; 'max' = the server's limit); clipped to the limit")
     ap.add_argument("--depths", default="0,25,50,75,100", help="needle depths, percent of the haystack")
     ap.add_argument("--seeds", type=int, default=3, help="needles (passkeys) per cell")
+    ap.add_argument("--haystack", choices=("corpus", "synthetic"), default="corpus",
+                    help="corpus: prose from the installed software (one stream); synthetic: the seeded sentences "
+                         "`hisparse train-needle` trains on, a fresh stream per seed")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--api", choices=("chat", "completions"), default="chat")
     ap.add_argument("--tokenizer", default=None,
@@ -61,11 +67,17 @@ def main(argv: list[str] | None = None) -> dict:
     grid = resolve_lengths(lengths, min(limits) if limits else None, args.max_tokens)
     counter = LocalCounter(args.tokenizer) if args.tokenizer else ServerCounter(endpoints[0].client,
                                                                                endpoints[0].model)
-    corpus = Corpus()
     names = [ep.name for ep in endpoints]
+    if args.haystack == "corpus":
+        corpus = Corpus()
+        shared = PromptBuilder(corpus, counter, args.api)
+        builder_for = lambda seed: shared   # noqa: E731
+    else:   # a fresh synthetic haystack per seed (the passkey model's training distribution)
+        builders: dict[int, PromptBuilder] = {}
+        builder_for = lambda seed: builders.setdefault(   # noqa: E731
+            seed, PromptBuilder(SyntheticHaystack(seed), counter, args.api))
     t0 = time.perf_counter()
-    records = run_grid(PromptBuilder(corpus, counter, args.api), endpoints, grid, depths, args.seeds,
-                       args.max_tokens, args.concurrency)
+    records = run_grid(builder_for, endpoints, grid, depths, args.seeds, args.max_tokens, args.concurrency)
     summary = summarize(records, names, time.perf_counter() - t0)
     cells = cell_table(records, names)
     out = Path(args.out)
@@ -79,7 +91,8 @@ def main(argv: list[str] | None = None) -> dict:
         "config": {"api": args.api, "lengths": dict(grid), "depths": depths, "seeds": args.seeds,
                    "max_tokens": args.max_tokens, "temperature": 0,
                    "token_counts": "local tokenizer " + args.tokenizer if args.tokenizer else "server usage"},
-        "corpus": {"documents_read": len(corpus.sources()), "repeats": corpus.cycles},
+        "haystack": ({"kind": "corpus", "documents_read": len(corpus.sources()), "repeats": corpus.cycles}
+                     if args.haystack == "corpus" else {"kind": "synthetic", "streams": "one per seed"}),
         "summary": summary, "cells": cells, "records": [record_json(r) for r in records],
     }
     (out / "needle.json").write_text(json.dumps(result, indent=1))

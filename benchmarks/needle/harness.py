@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 import re
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
@@ -146,13 +147,14 @@ def resolve_lengths(lengths: list[tuple[str, int | None]], limit: int | None, ma
     return out
 
 
-def run_grid(builder: PromptBuilder, endpoints: list[Endpoint], lengths: list[tuple[str, int]],
-             depths: list[float], seeds: int, max_tokens: int, concurrency: int) -> list[Record]:
-    """Build every prompt, then send each to every endpoint (`concurrency` requests in flight per endpoint)."""
+def run_grid(builder_for: Callable[[int], PromptBuilder], endpoints: list[Endpoint],
+             lengths: list[tuple[str, int]], depths: list[float], seeds: int, max_tokens: int, concurrency: int) -> list[Record]:
+    """Build every prompt (seed s from builder_for(s): one shared haystack, or a fresh one per seed), then send
+    each to every endpoint (`concurrency` requests in flight per endpoint)."""
     cells = [(label, n, d, s) for label, n in lengths for d in depths for s in range(seeds)]
     records, prompts = [], []
     for label, n, d, s in tqdm(cells, desc="building prompts", unit="prompt", leave=False):
-        p = builder.build(n, d, needle_value(s, n, d))
+        p = builder_for(s).build(n, d, needle_value(s, n, d))
         prompts.append(p)
         records.append(Record(label, n, p.tokens, d, p.needle_depth, s, p.value, p.haystack_digest))
     pools = {ep.name: ThreadPoolExecutor(concurrency) for ep in endpoints}

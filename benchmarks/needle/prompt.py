@@ -14,29 +14,14 @@ import re
 from dataclasses import dataclass
 from itertools import accumulate
 
+from hisparse.train.passkey import SyntheticHaystack, content, needle_text
+
 from .corpus import Corpus, digest
 from .tokens import TokenCounter
 
-INTRO = "There is a secret passkey hidden in the following text. Find it and remember it.\n\n"
-QUESTION = "What is the secret passkey? Answer with the number only."
-COMPLETION_CUE = "\nThe secret passkey is"   # completions API only: the text the answer continues
 MAX_FIXES = 4    # full-encode checks of one prompt per start
 MAX_STARTS = 4   # first units of the stream tried as the haystack's start
 WORD = re.compile(r" ?\S+")
-
-
-def needle_sentence(value: str) -> str:
-    return f"The secret passkey is {value}."
-
-
-def needle_text(value: str, paragraph: bool) -> str:
-    """The needle as its own paragraph (after a paragraph end) or as a sentence inside one."""
-    return needle_sentence(value) + "\n\n" if paragraph else " " + needle_sentence(value)
-
-
-def content(api: str, haystack: str) -> str:
-    """The user message (chat) or prompt text (completions) around a haystack (which ends a paragraph)."""
-    return INTRO + haystack + QUESTION + (COMPLETION_CUE if api == "completions" else "")
 
 
 @dataclass
@@ -57,7 +42,7 @@ class NeedlePrompt:
 
 
 class PromptBuilder:
-    def __init__(self, corpus: Corpus, counter: TokenCounter, api: str):
+    def __init__(self, corpus: "Corpus | SyntheticHaystack", counter: TokenCounter, api: str):
         if api not in ("chat", "completions"):
             raise ValueError(f"api: {api!r} is neither 'chat' nor 'completions'")
         self.corpus, self.counter, self.api = corpus, counter, api

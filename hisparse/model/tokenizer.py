@@ -43,10 +43,12 @@ def _model_settings_builder() -> dict[str, object]:
     return builder.model_dump(mode="json", exclude_none=True)
 
 
-def write_tekken(out_dir: str | Path) -> Path:
+def write_tekken(out_dir: str | Path, n_words: int | None = None) -> Path:
     """Write the v15 Tekken tokenizer to `out_dir/tekken.json` and return its path.
 
-    Keeps the bundled vocabulary, BPE pattern and vocabulary size unchanged, sets `config.version` to v15,
+    Keeps the bundled vocabulary, BPE pattern and vocabulary size unchanged unless `n_words` truncates the
+    vocabulary to the 1000 special slots plus the first n_words - 1000 ranks (1256: the 256 single bytes, a
+    byte-level tokenizer for small trained models), sets `config.version` to v15,
     lists the `SpecialTokens` enum (in its declared order) as control tokens at ranks 0..N-1 (the rest of the
     1000 special slots become `<SPECIAL_i>` fillers on load) and drops the bundled image section, since the
     hisparse model is text-only.
@@ -55,6 +57,13 @@ def write_tekken(out_dir: str | Path) -> Path:
     data = json.loads(base.read_text(encoding="utf-8"))
     data.pop("image", None)
     data["config"]["version"] = TOKENIZER_VERSION.value
+    if n_words is not None:
+        n_special = data["config"]["default_num_special_tokens"]
+        if not n_special + 256 <= n_words <= data["config"]["default_vocab_size"]:
+            raise ValueError(f"n_words: {n_words} must be in [{n_special + 256}, "
+                             f"{data['config']['default_vocab_size']}] (special slots + at least every byte)")
+        data["vocab"] = data["vocab"][: n_words - n_special]
+        data["config"].update(default_vocab_size=n_words, num_vocab_tokens=n_words - n_special)
     data["special_tokens"] = [
         {"rank": rank, "token_str": token.value, "is_control": True}
         for rank, token in enumerate(SpecialTokens)

@@ -1,0 +1,1 @@
+"""Training a tiny ML4 that retrieves passkeys (`hisparse train-needle`): the task, the autograd forward, the loop."""

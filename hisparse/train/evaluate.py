@@ -1,0 +1,56 @@
+"""Passkey accuracy of a checkpoint through the inference path (ML4.forward over any LatentKV), with each
+indexer-owning layer's needle recall at the question: the share of the passkey's tokens in that layer's top-k
+selection at the last prompt position. `train-needle` reports it; the served benchmark is `benchmarks/needle`."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..engine.generate import greedy_generate
+from ..model.batch import ForwardTrace
+from ..model.kv import LatentKV
+from ..model.ml4 import ML4
+from .passkey import sample_prompt
+
+
+@dataclass
+class PasskeyResult:
+    tokens: int                    # prompt tokens
+    depth: float
+    value: str
+    completion: str
+    found: bool
+    recall: dict[int, float]       # indexer-owner layer -> share of the passkey's tokens selected at the question
+
+
+def find(seq: list[int], sub: list[int]) -> int:
+    """Index of the first occurrence of sub in seq (-1 if absent)."""
+    n = len(sub)
+    return next((i for i in range(len(seq) - n + 1) if seq[i:i + n] == sub), -1)
+
+
+def passkey_trial(model: ML4, kv: LatentKV, tokenizer, chars: int, depth: float, rng: random.Random,
+                  max_tokens: int = 10) -> PasskeyResult:
+    """One fresh passkey prompt of about `chars` haystack characters, greedy-decoded through `kv`."""
+    text, value = sample_prompt(rng, chars, depth)
+    ids = tokenizer.encode(text, bos=True, eos=False)
+    digits = tokenizer.encode(value, bos=False, eos=False)
+    at = find(ids, digits)
+    trace = ForwardTrace()
+    gen = greedy_generate(model, kv, ids, max_tokens, chunk=1024, stop_ids=(tokenizer.eos_id,), prefill_trace=trace)
+    completion = tokenizer.decode(gen.tokens)
+    recall = {}
+    for layer, sels in trace.selections.items():
+        chosen = set(sels[0][-1].tolist())
+        recall[layer] = sum(p in chosen for p in range(at, at + len(digits))) / len(digits)
+    found = completion.strip().rstrip(".").strip() == value
+    return PasskeyResult(len(ids), depth, value, completion, found, recall)
+
+
+def passkey_accuracy(model: ML4, make_kv: Callable[[], LatentKV], tokenizer, chars: int, n: int, seed: int = 0,
+                     max_tokens: int = 10) -> list[PasskeyResult]:
+    """n trials at depths spread evenly over [0, 1], on fresh prompts drawn from `seed`."""
+    rng = random.Random(f"eval:{seed}:{chars}")
+    return [passkey_trial(model, make_kv(), tokenizer, chars, i / max(1, n - 1), rng, max_tokens) for i in range(n)]

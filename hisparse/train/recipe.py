@@ -1,0 +1,54 @@
+"""The retrieval model and its training recipe: params.json of the tiny ML4 that `train-needle` trains, and the
+stage schedule (what is trained at which lengths, for how many steps)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+TOKENIZER_WORDS = 1256     # 1000 special slots + the 256 byte tokens: one token per character of ASCII text
+
+
+def retrieval_params() -> dict[str, Any]:
+    """A 4-layer, dim-128 ML4 (~1.3M parameters): RoPE layers 0-2 and NoPE layer 3, each with its own latent KV
+    and lightning indexer (top-64), SSMax in attention and indexers, YaRN; dense SwiGLU FFNs (first_k_dense_replace
+    covers every layer, so the MoE block is inert). rope_theta 100 with YaRN (64 -> x4) keeps every RoPE
+    wavelength (6 .. 1,413 tokens) inside the training lengths, so no rotation angle is new at 128k."""
+    n = 4
+    return {
+        "dim": 128, "n_layers": n, "n_heads": 4, "n_kv_heads": 4, "vocab_size": TOKENIZER_WORDS, "norm_eps": 1e-6,
+        "tied_embeddings": False, "hidden_dim": 384, "max_position_embeddings": 1 << 20, "rope_theta": 100.0,
+        "q_lora_rank": None, "kv_lora_rank": 64, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32,
+        "yarn": {"original_max_position_embeddings": 64, "factor": 4, "apply_scale": False, "beta": 32, "alpha": 1},
+        "no_rope_layers": [0 if i % 4 == 3 else 1 for i in range(n)], "kv_source_layers": list(range(n)),
+        "index_n_heads": 4, "index_head_dim": 32, "index_topk": 64, "index_source_layers": list(range(n)),
+        "indexer_rope_interleave": True, "ssmax": {"attention": True, "indexer": True},
+        "lerope": {"per_layer": False}, "logit_softcap": 30.0,
+        "moe": {"num_experts": 2, "num_experts_per_tok": 1, "num_shared_experts": 1, "first_k_dense_replace": n,
+                "route_every_n": 1, "expert_hidden_dim": 32, "routed_scale": 1.0, "num_expert_groups": 1,
+                "num_expert_groups_per_tok": 1, "scoring": "softmax"},
+    }
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    steps: int
+    min_chars: int          # haystack length range, sampled log-uniformly (characters = byte tokens)
+    max_chars: int
+    sparse: bool            # attend over each layer's top-k (else dense causal)
+    lr: float
+
+
+@dataclass(frozen=True)
+class Recipe:
+    seed: int = 0
+    stages: tuple[Stage, ...] = field(default_factory=lambda: (
+        Stage("dense", 1500, 48, 640, False, 3e-3),
+        Stage("sparse", 1000, 256, 2560, True, 1e-3),
+    ))
+    tokens_per_batch: int = 3072       # sequences of one length per batch, as many as fit
+    answer_weight: float = 2.0         # the answer's mean CE is added to the all-token mean CE with this weight
+    index_weight: float = 1.0
+    warmup: int = 100
+    clip: float = 1.0

@@ -1,0 +1,162 @@
+"""`hisparse train-needle`: train the retrieval model from a seed on the passkey task, evaluate it through the
+inference path, and write a Mistral-native checkpoint (params.json, consolidated.safetensors, byte-level tekken).
+
+Deterministic for a seed on one thread. Progress is a tqdm bar; every step appends a line to `train_log.jsonl`
+(loss, answer loss, indexer KL, answer exact match under teacher forcing, length, seconds).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from ..model.config import ModelConfig
+from ..model.ml4 import ML4
+from ..model.tokenizer import load_tokenizer, write_tekken
+from ..model.weights import save_model
+from .forward import train_forward
+from .passkey import answer, sample_prompt
+from .recipe import TOKENIZER_WORDS, Recipe, Stage, retrieval_params
+
+
+def init_model(cfg: ModelConfig, seed: int) -> ML4:
+    """Fresh weights: PyTorch's default Linear init, embeddings N(0, 1), norms 1, SSMax gain 1 (s = 0, b = 1),
+    LeRoPE alpha 0."""
+    torch.manual_seed(seed)
+    model = ML4(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("ssmax_scaling"):
+                p[:, 0], p[:, 1] = 0.0, 1.0
+            elif name.endswith("lerope.alpha") or name.endswith("bias"):
+                p.zero_()
+            elif "norm" in name:
+                p.fill_(1.0)
+    return model
+
+
+def keep_ssmax_sane(model: ML4) -> None:
+    """Project SSMax onto slope s >= 0 and offset b >= 0.1: the query gain then never shrinks with position, so
+    beyond the training length it sharpens attention rather than flattening or flipping it."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("ssmax_scaling"):
+                p[:, 0].clamp_(min=0.0)
+                p[:, 1].clamp_(min=0.1)
+
+
+class PasskeyBatches:
+    """Batches of equal-length passkey sequences: BOS + prompt + answer + EOS, with a loss weight per target."""
+
+    def __init__(self, model_dir: Path, seed: int):
+        tok = load_tokenizer(model_dir).instruct_tokenizer.tokenizer
+        self.encode, self.eos = tok.encode, tok.eos_id
+        self.rng = random.Random(f"train:{seed}")
+
+    def sequence(self, chars: int) -> tuple[list[int], int]:
+        text, value = sample_prompt(self.rng, chars, self.rng.random())
+        prompt = self.encode(text, bos=True, eos=False)
+        return prompt + self.encode(answer(value), bos=False, eos=False) + [self.eos], len(prompt)
+
+    def batch(self, stage: Stage, tokens_per_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens [B, T] and the answer mask over targets [B, T - 1] (True on the answer and EOS)."""
+        chars = round(math.exp(self.rng.uniform(math.log(stage.min_chars), math.log(stage.max_chars))))
+        seqs = []
+        for _ in range(max(1, tokens_per_batch // (chars + 200))):
+            seqs.append(self.sequence(chars))
+        T = min(len(s) for s, _ in seqs)
+        toks, ans = [], []
+        for s, n in seqs:   # trim the haystack's start so every sequence has T tokens (BOS and intro kept)
+            cut = len(s) - T
+            toks.append(s[:1] + s[1 + cut:])
+            ans.append([i >= n - 1 - cut for i in range(T - 1)])
+        return torch.tensor(toks), torch.tensor(ans)
+
+
+def lr_at(step: int, steps: int, stage: Stage, warmup: int) -> float:
+    if step < warmup:
+        return stage.lr * (step + 1) / warmup
+    return stage.lr * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+
+
+def train(out: Path, recipe: Recipe = Recipe(), threads: int = 1) -> ML4:
+    """Train and save the retrieval checkpoint into `out`; returns the model."""
+    torch.set_num_threads(threads)
+    out.mkdir(parents=True, exist_ok=True)
+    write_tekken(out, TOKENIZER_WORDS)
+    cfg = ModelConfig.from_params(retrieval_params())
+    model = init_model(cfg, recipe.seed).train()
+    data = PasskeyBatches(out, recipe.seed)
+    log = open(out / "train_log.jsonl", "w")
+    log.write(json.dumps({"recipe": asdict(recipe), "params": retrieval_params(), "threads": threads}) + "\n")
+    t0 = time.time()
+    for stage in recipe.stages:
+        opt = torch.optim.AdamW(model.parameters(), lr=stage.lr, betas=(0.9, 0.95), weight_decay=0.01)
+        bar = tqdm(range(stage.steps), desc=f"train-needle {stage.name}", mininterval=5)
+        for step in bar:
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, stage.steps, stage, recipe.warmup)
+            tokens, ans = data.batch(stage, recipe.tokens_per_batch)
+            logits, index_kl = train_forward(model, tokens[:, :-1], cfg.index_topk if stage.sparse else None)
+            ce = F.cross_entropy(logits, tokens[:, 1:].flatten(), reduction="none").view(ans.shape)
+            ans_ce = ce[ans].mean()
+            loss = ce.mean() + recipe.answer_weight * ans_ce + recipe.index_weight * index_kl
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip)
+            opt.step()
+            keep_ssmax_sane(model)
+            with torch.no_grad():
+                hit = (logits.argmax(-1).view(ans.shape) == tokens[:, 1:]) | ~ans
+                exact = hit.all(dim=1).float().mean().item()
+            rec = {"stage": stage.name, "step": step, "T": tokens.shape[1], "B": tokens.shape[0],
+                   "loss": round(loss.item(), 4), "answer_ce": round(ans_ce.item(), 4),
+                   "index_kl": round(index_kl.item(), 4), "answer_exact": exact, "s": round(time.time() - t0, 1)}
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+            bar.set_postfix(ans=rec["answer_ce"], kl=rec["index_kl"], exact=exact, T=rec["T"])
+        save_model(model, out / f"after-{stage.name}")     # a checkpoint per stage (weights only)
+    log.close()
+    model.eval()
+    save_model(model, out)
+    return model
+
+
+def report(out: Path, lengths: list[int], samples: int, hot_buffer_tokens: int, seed: int) -> dict:
+    """Passkey accuracy of the saved checkpoint through HiSparse (hot buffer << context), per haystack length,
+    with the per-layer needle recall; written to out/eval.json."""
+    from ..engine.kv_factory import build_kv
+    from ..model.weights import load_model
+    from .evaluate import passkey_accuracy
+    saved = load_model(out)          # the checkpoint as stored (bf16 weights), not the fp32 training copy
+    tok = load_tokenizer(out).instruct_tokenizer.tokenizer
+    rows = []
+    for chars in lengths:
+        res = passkey_accuracy(saved, lambda: build_kv(saved.cfg, hot_buffer_tokens=hot_buffer_tokens,
+                                                       host_pool_gib=0.25), tok, chars, samples, seed)
+        layers = sorted(res[0].recall)
+        rows.append({"haystack_chars": chars, "prompt_tokens": round(sum(r.tokens for r in res) / len(res)),
+                     "accuracy": sum(r.found for r in res) / len(res), "samples": len(res),
+                     "needle_recall": {l: sum(r.recall[l] for r in res) / len(res) for l in layers}})
+        print(f"passkey @ {rows[-1]['prompt_tokens']:,} tokens: {100 * rows[-1]['accuracy']:.0f}% of {samples}, "
+              f"needle recall per layer {rows[-1]['needle_recall']}", flush=True)
+    result = {"kv": f"hisparse, hot buffer {hot_buffer_tokens}", "rows": rows}
+    (out / "eval.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def main(args) -> None:
+    """`hisparse train-needle` (args from the CLI)."""
+    out = Path(args.out)
+    if not args.eval_only:
+        train(out, Recipe(seed=args.seed), threads=args.threads)
+    report(out, [int(c) for c in args.eval_chars.split(",")], args.eval_samples, args.hot_buffer_tokens,
+           args.seed)

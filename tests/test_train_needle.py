@@ -1,0 +1,110 @@
+"""The passkey trainer: its autograd forward is the inference model's math, its losses train what they should, it
+is reproducible from a seed, and the shipped checkpoint retrieves passkeys through HiSparse."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import full_forward, random_tokens, selection_sets, tiny_model
+from hisparse.engine.kv_factory import build_kv
+from hisparse.model.config import ModelConfig
+from hisparse.model.tokenizer import load_tokenizer
+from hisparse.model.weights import load_model
+from hisparse.train.evaluate import passkey_accuracy
+import hisparse.train.forward as fw
+from hisparse.train.forward import train_forward
+from hisparse.train.recipe import TOKENIZER_WORDS, Recipe, Stage, retrieval_params
+from hisparse.train.trainer import init_model, train
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+SHIPPED = Path(__file__).resolve().parents[1] / "checkpoints" / "needle-ml4"
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_train_forward_is_the_inference_math(seed: int, sparse: bool):
+    """Every layer kind of the tiny preset (dense, MoE, RoPE, NoPE, KV consumer, indexer sharer): the training
+    forward's logits equal ML4.forward's (fp64), and in the sparse mode its masks are exactly the selections.
+    Dense mode equals inference only while every query sees at most top-k keys."""
+    model = tiny_model(seed)
+    T = 40 if sparse else model.cfg.index_topk
+    tokens = random_tokens(T, model.cfg.vocab_size, seed)
+    ref, _ = full_forward(model, tokens)
+    st_logits, _ = train_forward(model, tokens[None], model.cfg.index_topk if sparse else None)
+    assert torch.allclose(st_logits, ref, rtol=1e-9, atol=1e-9), (st_logits - ref).abs().max()
+
+
+def test_sparse_masks_equal_inference_selections(seed: int, monkeypatch: pytest.MonkeyPatch):
+    """Each owner's training mask [T, T] holds exactly its inference Sel(t) (ties to the earlier position)."""
+    model = tiny_model(seed)
+    tokens = random_tokens(48, model.cfg.vocab_size, seed)
+    _, trace = full_forward(model, tokens)
+    masks = {}
+    real = fw.indexer_forward
+
+    def recording(indexer, x, target, st):
+        masks[len(masks)] = real(indexer, x, target, st)[0]
+        return masks[len(masks) - 1][None]
+    monkeypatch.setattr(fw, "indexer_forward", recording)
+    train_forward(model, tokens[None], model.cfg.index_topk)
+    owners = model.cfg.index_owner_layers
+    assert len(masks) == len(owners)
+    for i, layer in enumerate(owners):
+        want = selection_sets(trace.selections[layer][0])
+        got = [sorted(torch.nonzero(row).flatten().tolist()) for row in masks[i]]
+        assert got == want, f"layer {layer}"
+
+
+def test_indexer_loss_trains_only_the_indexers(seed: int):
+    model = tiny_model(seed, dtype=torch.float32, sharp=False).train()
+    tokens = random_tokens(24, model.cfg.vocab_size, seed)[None]
+    logits, kl = train_forward(model, tokens, model.cfg.index_topk)
+    kl.backward(retain_graph=True)
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert any(g is not None and g.abs().sum() > 0 for n, g in grads.items() if ".indexer." in n)
+    assert all(g is None or g.abs().sum() == 0 for n, g in grads.items() if ".indexer." not in n)
+    model.zero_grad(set_to_none=True)
+    F.cross_entropy(logits[:-1], tokens[0, 1:]).backward()   # top-k is discrete: the LM loss never reaches them
+    assert all(p.grad is None or p.grad.abs().sum() == 0 for n, p in model.named_parameters() if ".indexer." in n)
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.named_parameters()
+               if ".wq." in n)
+
+
+def test_training_is_reproducible_and_writes_a_servable_checkpoint(tmp_path: Path):
+    recipe = Recipe(seed=3, stages=(Stage("dense", 3, 16, 48, False, 1e-3), Stage("sparse", 2, 64, 160, True, 1e-3)),
+                    tokens_per_batch=512, warmup=2)
+    a = train(tmp_path / "a", recipe)
+    b = train(tmp_path / "b", recipe)
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), n
+    for name, p in a.named_parameters():
+        if name.endswith("ssmax_scaling"):
+            assert (p[:, 0] >= 0).all() and (p[:, 1] >= 0.1).all()
+    saved = load_model(tmp_path / "a")
+    assert saved.cfg == ModelConfig.from_params(retrieval_params())
+    assert load_tokenizer(tmp_path / "a").instruct_tokenizer.tokenizer.n_words == TOKENIZER_WORDS
+    lines = (tmp_path / "a" / "train_log.jsonl").read_text().splitlines()
+    assert len(lines) == 1 + 3 + 2
+
+
+def test_init_model_ssmax_gain_is_one():
+    model = init_model(ModelConfig.from_params(retrieval_params()), 0)
+    for name, p in model.named_parameters():
+        if name.endswith("ssmax_scaling"):
+            assert torch.equal(p, torch.tensor([[0.0, 1.0]]).expand_as(p))
+
+
+@pytest.mark.skipif(not (SHIPPED / "params.json").exists(), reason="checkpoint not trained yet")
+def test_shipped_checkpoint_retrieves_through_hisparse():
+    """The committed model finds fresh passkeys far beyond a hot buffer of 64 slots, with HiSparse on and off
+    giving identical completions."""
+    model = load_model(SHIPPED)
+    tok = load_tokenizer(SHIPPED).instruct_tokenizer.tokenizer
+    on = passkey_accuracy(model, lambda: build_kv(model.cfg, hot_buffer_tokens=64, host_pool_gib=0.05,
+                                                  resident_window=16), tok, 1500, 4, seed=11)
+    off = passkey_accuracy(model, lambda: build_kv(model.cfg, offload="none"), tok, 1500, 4, seed=11)
+    assert [r.completion for r in on] == [r.completion for r in off]
+    assert sum(r.found for r in on) >= 3, [(r.value, r.completion) for r in on]
