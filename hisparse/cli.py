@@ -40,11 +40,15 @@ def add_kv_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 
 
+def kv_kwargs(args: argparse.Namespace) -> dict:
+    """build_kv's keyword arguments from the KV flags."""
+    return dict(offload=args.kv_offload, layout=args.kv_layout, device=args.device, host_pool_gib=args.host_pool_gib,
+                hot_buffer_tokens=args.hot_buffer_tokens, resident_window=args.resident_window)
+
+
 def make_kv(args: argparse.Namespace, cfg):
     from .engine.kv_factory import build_kv
-    return build_kv(cfg, offload=args.kv_offload, layout=args.kv_layout, device=args.device,
-                    host_pool_gib=args.host_pool_gib, hot_buffer_tokens=args.hot_buffer_tokens,
-                    resident_window=args.resident_window)
+    return build_kv(cfg, **kv_kwargs(args))
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> None:
@@ -93,8 +97,11 @@ def cmd_logits(args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
+    from functools import partial
+
+    from .engine.kv_factory import build_kv
     from .server.serve import serve
-    serve(args, _model_dir(args.model), lambda cfg: make_kv(args, cfg))
+    serve(args, _model_dir(args.model), partial(build_kv, **kv_kwargs(args)))   # picklable: DCP ranks build theirs
 
 
 def cmd_train_needle(args: argparse.Namespace) -> None:
@@ -103,6 +110,7 @@ def cmd_train_needle(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .dcp.group import DEFAULT_TIMEOUT_S
     ap = argparse.ArgumentParser(prog="hisparse", description="Long-context ML4 serving with host-memory sparse KV")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
@@ -146,6 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "(needs a checkpoint with a DSpark drafter)")
     p.add_argument("--debug-hooks", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--dcp-size", type=int, default=1,
+                   help="decode context parallelism: ranks (processes) sharing every request's KV; this process is "
+                        "rank 0 and starts the others (or run under torchrun --nproc-per-node R)")
+    p.add_argument("--dcp-interleave", type=int, default=1, help="DCP: consecutive tokens per rank (I)")
+    p.add_argument("--dcp-timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                   help="DCP: seconds a collective may wait for a peer rank before the server fails")
     add_kv_args(p)
     p.set_defaults(fn=cmd_serve)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -60,9 +61,21 @@ class DCPGroup:
         try:
             dist.all_gather_single(out, x, group=self.pg)
         except Exception as e:   # noqa: BLE001 - every backend failure (timeout, closed peer) means the same here
-            raise DCPError(f"DCP rank {self.rank}/{self.size}: all_gather for {what} failed (a peer rank died, hung "
-                           f"past the {self.timeout_s:g} s timeout, or left the group): {e}") from e
+            raise self._failed("all_gather", what, e) from e
         return out.view(self.size, *x.shape)
+
+    def broadcast_object(self, obj: Any, what: str) -> Any:
+        """Rank 0's picklable `obj` on every rank (the others pass None); DCPError (naming `what`) if it fails."""
+        box = [obj]
+        try:
+            dist.broadcast_object_list(box, group=self.pg, group_src=0)
+        except Exception as e:   # noqa: BLE001 - as all_gather
+            raise self._failed("broadcast", what, e) from e
+        return box[0]
+
+    def _failed(self, op: str, what: str, e: Exception) -> DCPError:
+        return DCPError(f"DCP rank {self.rank}/{self.size}: {op} for {what} failed (a peer rank died, hung past the "
+                        f"{self.timeout_s:g} s timeout, or left the group): {e}")
 
     def close(self) -> None:
         """Leave the default group (call on success only; after a failure just exit)."""

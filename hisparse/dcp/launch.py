@@ -18,7 +18,8 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -39,32 +40,44 @@ class DCPLaunchError(RuntimeError):
         super().__init__("DCP run failed: " + "; ".join(lines) + ("\n\n" + first if first else ""))
 
 
-def _rank_main(rank: int, size: int, workdir: str, backend: str | None, timeout_s: float, threads: int | None,
-               fn: Callable[..., Any], args: tuple) -> None:
-    """Body of one rank process: join the group, run fn, save its result (or its traceback, then exit 1)."""
-    out = Path(workdir)
-    _die_with_parent()
+def store_url(workdir: str | Path) -> str:
+    """The rendezvous of a group whose ranks share `workdir` (a file store: no port to pick)."""
+    return f"file://{Path(workdir) / 'store'}"
+
+
+@contextmanager
+def failure_report(workdir: str | Path, rank: int) -> Iterator[None]:
+    """Run a rank's body; on any failure save its traceback as error{rank}.txt for the parent, then exit 1."""
     try:
-        if threads:
-            torch.set_num_threads(threads)
-        group = DCPGroup.init(rank, size, f"file://{out / 'store'}", backend, timeout_s)
-        result = fn(group, *args)
-        torch.save(result, out / f"result{rank}.pt")
-        group.close()
-    except BaseException:   # noqa: BLE001 - reported to the launcher whatever it was
-        (out / f"error{rank}.txt").write_text(traceback.format_exc())
+        yield
+    except BaseException:   # noqa: BLE001 - reported to the parent whatever it was
+        (Path(workdir) / f"error{rank}.txt").write_text(traceback.format_exc())
         raise SystemExit(1)
 
 
-def _die_with_parent() -> None:
-    """Linux: have the kernel kill this rank if the launching process dies, so no rank outlives it."""
+def _rank_main(rank: int, size: int, workdir: str, backend: str | None, timeout_s: float, threads: int | None,
+               fn: Callable[..., Any], args: tuple) -> None:
+    """Body of one rank process: join the group, run fn, save its result (or its traceback, then exit 1)."""
+    die_with_parent()
+    with failure_report(workdir, rank):
+        if threads:
+            torch.set_num_threads(threads)
+        group = DCPGroup.init(rank, size, store_url(workdir), backend, timeout_s)
+        result = fn(group, *args)
+        torch.save(result, Path(workdir) / f"result{rank}.pt")
+        group.close()
+
+
+def die_with_parent() -> None:
+    """Linux: have the kernel kill this rank if the process (thread) that started it dies, so no rank outlives
+    it."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _failure(workdir: Path, rank: int, code: int) -> str:
+def rank_failure(workdir: str | Path, rank: int, code: int) -> str:
     """A failed rank's traceback, or how its process ended when it left none (killed, os._exit)."""
-    err = workdir / f"error{rank}.txt"
+    err = Path(workdir) / f"error{rank}.txt"
     if err.exists():
         return err.read_text()
     return f"died: killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
@@ -110,7 +123,7 @@ def launch(fn: Callable[..., Any], size: int, *args: Any, backend: str | None = 
         failed += [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in failed + list(killed)]
         if failed or killed:
             why = "after the grace period" if failed else f"at the {deadline_s:g} s deadline"
-            errors = {r: _failure(Path(workdir), r, procs[r].exitcode) for r in failed}
+            errors = {r: rank_failure(workdir, r, procs[r].exitcode) for r in failed}
             errors.update({r: f"still running {why}: killed by the launcher" for r in sorted(killed)})
             raise DCPLaunchError(errors)
         return [torch.load(Path(workdir) / f"result{r}.pt", weights_only=False) for r in range(size)]

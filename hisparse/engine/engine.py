@@ -4,6 +4,10 @@
 `sink` from the engine thread. `generate` runs requests to completion synchronously (tests, benchmarks). With a
 `SpeculativeConfig`, every decoding request drafts and verifies up to N tokens per step (spec_decode.py); a step
 may then emit several tokens per request, cut exactly where plain decoding would stop.
+
+A DCPError (a peer rank of a decode-context-parallel group died or hung) is fatal: every request in flight or
+queued fails with its message, later submissions are refused (503), the loop ends and `on_fatal` is told.
+Subclasses (hisparse.dcp.leader) hook the runner and speculator they build, `idle` and `rank_pools`.
 """
 
 from __future__ import annotations
@@ -15,9 +19,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
+from ..dcp.group import DCPError
 from ..model.dspark import DSparkDrafter
 from ..model.kv import KVStats, LatentKV
 from ..model.ml4 import ML4
@@ -28,6 +34,9 @@ from .sampling import SamplingBatch, sample
 from .scheduler import Scheduler, SchedulerConfig
 from .spec_decode import Speculator
 from .speculative import Proposer, SpeculativeConfig
+
+if TYPE_CHECKING:
+    from ..dcp.replica import RankPool
 
 log = logging.getLogger("hisparse.engine")
 
@@ -49,11 +58,13 @@ class StepStats:
     kv_usage: float = 0.0                 # LatentKV.usage_ratio()
     kv_reserved_tokens: int = 0           # tokens reserved by admitted requests (0 when all are done)
     kv_index_cache_bytes: int = 0         # indexer keys held on the device (0 when all are done)
+    kv_ranks: list["RankPool"] = field(default_factory=list)   # DCP: each rank's host pool ([] without DCP)
 
 
 class Engine:
     """`speculative`: DSpark speculative decoding (None: off); `proposer` overrides the checkpoint's drafter
     (tests and benchmarks: an oracle)."""
+    idle_s: float | None = None   # run_forever calls idle() after this long without work (None: it just waits)
 
     def __init__(self, model: ML4, kv: LatentKV, cfg: SchedulerConfig, eos_id: int | None = None,
                  decode: Callable[[list[int]], str] | None = None, speculative: SpeculativeConfig | None = None,
@@ -62,8 +73,8 @@ class Engine:
         self.speculator: Speculator | None = None
         if speculative is not None:
             window = model.cfg.mtp.sliding_window if model.cfg.mtp is not None else None
-            self.speculator = Speculator(speculative, proposer or DSparkDrafter(model), kv, window)
-        self.runner = ModelRunner(model, kv, self.speculator.tap_layers if self.speculator else ())
+            self.speculator = self.make_speculator(speculative, proposer or DSparkDrafter(model), kv, window)
+        self.runner = self.make_runner(model, kv, self.speculator.tap_layers if self.speculator else ())
         self.scheduler = Scheduler(cfg, kv, speculative.num_speculative_tokens if speculative else 0)
         self.eos_id, self.decode = eos_id, decode
         self.vocab = model.cfg.vocab_size
@@ -75,6 +86,16 @@ class Engine:
         self._finished: list[str] = []   # finish reasons since the last step's stats (aborts land between steps)
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self.fatal: DCPError | None = None       # set when the DCP group broke; the engine no longer runs
+        self.on_fatal: Callable[[DCPError], None] | None = None
+        self._fatal_lock = threading.Lock()      # orders submissions against the switch to `fatal`
+
+    def make_speculator(self, config: SpeculativeConfig, proposer: Proposer, kv: LatentKV,
+                        window: int | None) -> Speculator:
+        return Speculator(config, proposer, kv, window)
+
+    def make_runner(self, model: ML4, kv: LatentKV, tap_layers: tuple[int, ...]) -> ModelRunner:
+        return ModelRunner(model, kv, tap_layers)
 
     # ---- submission (any thread) ----
     def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
@@ -92,7 +113,10 @@ class Engine:
         if params.seed is not None:
             req.generator = torch.Generator(device=self.model.device).manual_seed(params.seed)
         self.scheduler.check(req)
-        self.inbox.put(("add", req))
+        with self._fatal_lock:
+            if self.fatal is not None:
+                raise RequestError(f"the engine has stopped: {self.fatal}", status=503)
+            self.inbox.put(("add", req))
         return req
 
     def abort(self, request_id: str) -> None:
@@ -103,12 +127,13 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.scheduler.running or self.scheduler.waiting)
 
-    def _drain_inbox(self, block: bool = False) -> None:
+    def _drain_inbox(self, block: bool = False) -> bool:
+        """Take every queued submission; with `block`, wait for the first one (at most idle_s: then False)."""
         while True:
             try:
-                kind, arg = self.inbox.get(block=block)
+                kind, arg = self.inbox.get(block=block, timeout=self.idle_s if block else None)
             except queue.Empty:
-                return
+                return not block
             block = False
             if kind == "add":
                 self.requests[arg.id] = arg
@@ -158,6 +183,10 @@ class Engine:
         stats.kv_stats, stats.kv_usage = self.kv.stats.snapshot(), self.kv.usage_ratio()
         stats.kv_reserved_tokens = sum(self.kv.reserved.values())
         stats.kv_index_cache_bytes = self.kv.index_cache.nbytes()
+        stats.kv_ranks = self.rank_pools()
+        if stats.kv_ranks:   # DCP: the cache counters of every rank's store, not only rank 0's
+            stats.kv_stats = KVStats(**{k: sum(getattr(p.stats, k) for p in stats.kv_ranks)
+                                        for k in vars(stats.kv_stats)})
         if self.on_step is not None:
             self.on_step(stats)
         return stats
@@ -221,12 +250,33 @@ class Engine:
         for req in list(self.scheduler.running) + list(self.scheduler.waiting):
             self._finish(req, "error", error=f"engine error: {type(err).__name__}: {err}")
 
+    def _die(self, err: DCPError) -> None:
+        """The DCP group is broken: fail everything in flight or queued, refuse new work, tell `on_fatal`."""
+        log.error("engine stopped: %s", err)
+        with self._fatal_lock:
+            self.fatal = err
+        self._drain_inbox()     # submissions that raced the switch: queued, so failed below
+        self._fail_all(err)
+        if self.on_fatal is not None:
+            self.on_fatal(err)
+
+    def idle(self) -> None:
+        """Called from run_forever after idle_s without work (DCP rank 0: a heartbeat to the followers)."""
+
+    def rank_pools(self) -> list["RankPool"]:
+        """Each DCP rank's host pool as last reported ([] without DCP)."""
+        return []
+
     def run_forever(self) -> None:
         while not self._stopping:
             try:
-                self._drain_inbox(block=not self.has_work())
+                if not self._drain_inbox(block=not self.has_work()):
+                    self.idle()
                 if not self._stopping:
                     self.step()
+            except DCPError as e:   # no forward can run any more: not one request's failure
+                self._die(e)
+                return
             except Exception as e:   # noqa: BLE001 - keep serving; fail what was in flight
                 log.exception("engine step failed")
                 self._fail_all(e)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..dcp.group import DCPError
 from ..model.batch import ForwardTrace, Segment
 from ..model.kv import LatentKV
 from ..model.ml4 import ML4
@@ -98,6 +99,8 @@ class ModelRunner:
         """Run the batch; if it fails, roll back and rerun each segment alone so only the failing ones fail."""
         try:
             return StepResult(self.forward(step, list(range(len(step.reqs)))))
+        except DCPError:        # the group is broken, not one request: nothing to isolate
+            raise
         except Exception as e:   # noqa: BLE001 - isolated below, request by request
             if len(step.reqs) == 1:
                 self.kv.truncate(step.reqs[0].id, step.segments[0].start)
@@ -107,6 +110,8 @@ class ModelRunner:
             self.kv.truncate(req.id, seg.start)
             try:
                 out.ok += self.forward(step.only(i), [i])
+            except DCPError:
+                raise
             except Exception as e:   # noqa: BLE001 - reported on this request only
                 out.failed.append((req, e))
         return out

@@ -73,12 +73,15 @@ class Speculator:
         for o in outs:
             tokens, n = emitted[o.index], step.num_drafts[o.index]
             if len(tokens) <= n:                            # a draft was rejected: keep anchor + accepted drafts
-                length = o.segment.start + len(tokens)
-                self.kv.truncate(o.req.id, length)
-                self.proposer.truncate(o.req.id, length)
+                self.rollback(o.req.id, o.segment.start + len(tokens))
             self.stats.record(n, len(tokens) - 1)
             out.append(tokens)
         return out
+
+    def rollback(self, req_id: str, length: int) -> None:
+        """Forget the request's positions >= length in the target KV and the draft window."""
+        self.kv.truncate(req_id, length)
+        self.proposer.truncate(req_id, length)
 
     def observe(self, outs: list[SegmentOutput], kept: list[int]) -> None:
         """The drafter's context path for the first kept[i] rows of each segment (only the newest `window`)."""

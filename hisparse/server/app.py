@@ -141,6 +141,8 @@ def build_app(engine: Engine, tokenizer: MistralTokenizer, cfg: ServerConfig) ->
     # ---- routes ----
     @app.get("/health")
     async def health():
+        if engine.fatal is not None:    # the DCP group broke: the server is shutting down
+            raise APIError(503, f"engine stopped: {engine.fatal}", code="engine_stopped", kind="server_error")
         return Response(status_code=200)
 
     @app.get("/metrics")

@@ -56,6 +56,19 @@ class Metrics:
         self.spec_mean_accepted = Gauge("hisparse_spec_decode_mean_accepted_tokens_per_step",
                                         "Mean drafts accepted per verify step since start", registry=r)
         self._spec_steps = self._spec_accepted = 0
+        # decode context parallelism: each rank's host pool (label rank) and all ranks together (no samples
+        # without DCP)
+        self.rank_pool_usage = Gauge("hisparse_dcp_host_pool_usage_ratio",
+                                     "Fraction of each DCP rank's host pool holding rows (pages in use)", ["rank"],
+                                     registry=r)
+        self.rank_pool_used = Gauge("hisparse_dcp_host_pool_used_tokens", "Token slots in use in each DCP rank's "
+                                    "host pool (whole pages)", ["rank"], registry=r)
+        self.rank_pool_capacity = Gauge("hisparse_dcp_host_pool_capacity_tokens",
+                                        "Token slots of each DCP rank's host pool", ["rank"], registry=r)
+        self.rank_misses = Gauge("hisparse_dcp_cache_misses", "Selected rows each DCP rank copied host -> device "
+                                 "(cumulative)", ["rank"], registry=r)
+        self.total_pool_usage = Gauge("hisparse_dcp_host_pool_total_usage_ratio",
+                                      "Fraction of all DCP ranks' host pools holding rows", ["ranks"], registry=r)
 
     def observe(self, s: StepStats) -> None:
         self.running.set(s.num_running)
@@ -74,6 +87,15 @@ class Metrics:
         self.pool_usage.set(s.kv_usage)
         self.reserved.set(s.kv_reserved_tokens)
         self.index_bytes.set(s.kv_index_cache_bytes)
+        for rank, pool in enumerate(s.kv_ranks):
+            self.rank_pool_usage.labels(str(rank)).set(pool.usage_ratio)
+            self.rank_pool_used.labels(str(rank)).set(pool.used_tokens)
+            self.rank_pool_capacity.labels(str(rank)).set(pool.capacity_tokens)
+            self.rank_misses.labels(str(rank)).set(pool.stats.misses)
+        if s.kv_ranks:
+            cap = sum(p.capacity_tokens for p in s.kv_ranks)
+            used = sum(p.used_tokens for p in s.kv_ranks)
+            self.total_pool_usage.labels(str(len(s.kv_ranks))).set(used / cap if cap else 0.0)
         if s.spec_accepted:
             self.spec_drafts.inc(len(s.spec_accepted))
             self.spec_draft_tokens.inc(s.spec_draft_tokens)

@@ -1,11 +1,21 @@
-"""`hisparse serve`: load a checkpoint, build the KV store and the engine, print the capacity, run uvicorn."""
+"""`hisparse serve`: load a checkpoint, build the KV store and the engine, print the capacity, run uvicorn.
+
+With --dcp-size R > 1 this process is rank 0 of a decode-context-parallel group (hisparse.dcp.serve starts the
+followers); if the group breaks, every request in flight fails, /health answers 503, the server shuts down, the
+followers are killed and `serve` exits non-zero naming the failed rank."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 from pathlib import Path
 
+from ..dcp.context import DCPContext
+from ..dcp.group import DCPError, DCPGroup
+from ..dcp.kv import ShardedKV
+from ..dcp.leader import DCPEngine
+from ..dcp.serve import DCPServeConfig, DCPStartError, FollowerRanks, KVFactory, pool_lines, run_follower
 from ..engine.engine import Engine
 from ..engine.scheduler import SchedulerConfig
 from ..engine.speculative import SpeculativeConfig
@@ -26,9 +36,10 @@ def capacity_lines(kv: LatentKV, offload: str, max_model_len: int) -> list[str]:
         f"KV cache ({where}) size: {cap:,} tokens",
         f"Maximum concurrency for {max_model_len:,} tokens per request: {cap / max_model_len:.2f}x"]
     if offload == "hisparse":
-        rows = kv.n_slots + kv.window + kv.sinks
-        lines.append(f"Device latent rows per request and layer: {rows:,} (hot buffer {kv.n_slots:,} + resident "
-                     f"window {kv.window:,} + sinks {kv.sinks:,}), whatever the context length")
+        store = kv.inner if isinstance(kv, ShardedKV) else kv     # DCP: per rank
+        rows = store.n_slots + store.window + store.sinks
+        lines.append(f"Device latent rows per request and layer: {rows:,} (hot buffer {store.n_slots:,} + resident "
+                     f"window {store.window:,} + sinks {store.sinks:,}), whatever the context length")
     return lines
 
 
@@ -55,17 +66,62 @@ def build_engine(model: ML4, kv: LatentKV, tokenizer, max_model_len: int, max_nu
     inner = tokenizer.instruct_tokenizer.tokenizer
     per_seq = 1 + (speculative.num_speculative_tokens if speculative else 0)   # every decode fits, drafts included
     cfg = SchedulerConfig(max_model_len, max_num_seqs, max(max_num_batched_tokens, max_num_seqs * per_seq))
-    return Engine(model, kv, cfg, eos_id=inner.eos_id, decode=inner.decode, speculative=speculative)
+    engine = DCPEngine if isinstance(kv, ShardedKV) else Engine
+    return engine(model, kv, cfg, eos_id=inner.eos_id, decode=inner.decode, speculative=speculative)
 
 
-def serve(args: argparse.Namespace, model_dir: Path, kv_factory) -> None:
-    """Run the server until interrupted. `kv_factory(cfg)` builds the LatentKV from the CLI's KV flags."""
-    import uvicorn
+def dcp_config(args: argparse.Namespace) -> DCPServeConfig | None:
+    """--dcp-size / --dcp-interleave / --dcp-timeout (None: no DCP)."""
+    try:
+        cfg = DCPServeConfig(args.dcp_size, args.dcp_interleave, args.dcp_timeout)
+    except ValueError as e:
+        raise SystemExit(f"--{str(e).split(':')[0].replace('_', '-')}: {e}") from None
+    return cfg if cfg.size > 1 else None
+
+
+def serve(args: argparse.Namespace, model_dir: Path, kv_factory: KVFactory) -> None:
+    """Run the server until interrupted. `kv_factory(cfg)` builds the LatentKV from the CLI's KV flags (with
+    --dcp-size > 1 every rank calls it: it must be picklable)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     speculative = speculative_config(args.speculative_config, model_dir)
+    dcp = dcp_config(args)
+    followers = None
+    if dcp is not None and "RANK" not in os.environ:      # under torchrun the ranks exist already
+        followers = FollowerRanks(dcp, model_dir, args.device, kv_factory, speculative)   # they load meanwhile
+    engine = None
+    try:
+        engine = _serve(args, model_dir, kv_factory, speculative, dcp, followers)
+    except DCPStartError as e:
+        raise SystemExit(f"hisparse serve: {e}") from None
+    except DCPError as e:    # the start-up exchange failed
+        why = followers.diagnose() + ". " if followers is not None else ""
+        raise SystemExit(f"hisparse serve: {why}{e}") from None
+    finally:
+        if followers is not None:   # after rank 0's stop message they leave on their own; otherwise: killed
+            followers.close(grace_s=10.0 if engine is not None and engine.fatal is None else 0.0)
+    if engine is not None and engine.fatal is not None:
+        raise SystemExit(f"hisparse serve: stopped because the DCP group failed: {engine.fatal}")
+
+
+def _serve(args: argparse.Namespace, model_dir: Path, kv_factory: KVFactory, speculative: SpeculativeConfig | None,
+           dcp: DCPServeConfig | None, followers: FollowerRanks | None) -> Engine | None:
+    """Load, build and run until the HTTP server stops; the engine (None on a torchrun follower rank)."""
+    import uvicorn
+    group = None
+    if dcp is not None and followers is None:     # torchrun: join first (this also picks the rank's GPU)
+        group = DCPGroup.from_env(timeout_s=dcp.timeout_s)
     model = load_model(model_dir, device=args.device)
-    tokenizer = load_tokenizer(model_dir)
     kv = kv_factory(model.cfg)
+    if dcp is not None:
+        group = group or followers.join()
+        if group.size != dcp.size:
+            raise SystemExit(f"--dcp-size {dcp.size}: torchrun started {group.size} processes")
+        if group.rank > 0:
+            run_follower(group, model, kv, dcp.interleave, speculative)
+            group.close()
+            return None
+        kv = ShardedKV(kv, DCPContext(group, dcp.interleave))
+    tokenizer = load_tokenizer(model_dir)
     cap = kv.token_capacity()
     limit = model.cfg.max_position_embeddings if cap is None else min(model.cfg.max_position_embeddings, cap)
     max_model_len = args.max_model_len or limit
@@ -79,9 +135,18 @@ def serve(args: argparse.Namespace, model_dir: Path, kv_factory) -> None:
                           speculative)
     name = args.served_model_name or model_dir.name
     app = build_app(engine, tokenizer, ServerConfig(name, max_model_len, args.api_key, args.debug_hooks))
-    for line in capacity_lines(kv, args.kv_offload, max_model_len) + (
-            speculative_lines(speculative, model) if speculative else []):
+    lines = capacity_lines(kv, args.kv_offload, max_model_len)
+    if dcp is not None:
+        engine.leader.gather()                   # the start-up exchange: every rank's pool
+        lines += pool_lines(engine.rank_pools(), kv, followers.pids() if followers is not None else {})
+        engine.diagnose = followers.diagnose if followers is not None else None
+    for line in lines + (speculative_lines(speculative, model) if speculative else []):
         print(line, flush=True)
     print(f"Serving model '{name}' from {model_dir} at http://{args.host}:{args.port}/v1 (Ctrl-C to stop)",
           flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           access_log=False,
+                                           timeout_graceful_shutdown=None if dcp is None else dcp.timeout_s))
+    engine.on_fatal = lambda err: setattr(server, "should_exit", True)
+    server.run()
+    return engine

@@ -1,0 +1,86 @@
+"""What rank 0 of a serving DCP group sends its followers, and what every rank reports back (issue 8).
+
+Only rank 0 schedules, drafts and samples. Before each forward it broadcasts a `StepMessage`: the state changes
+since the last message that the followers must mirror (`Op`s: a finished request's release, a speculative
+rollback, a draft-window update from the last forward) and the step itself as a `ReplayStep` (segments and their
+token ids, drafts included). Token ids always come from rank 0, so a follower cannot drift onto other tokens.
+After every message all ranks all-gather `RankPool` numbers about their own stores (per-rank metrics).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from itertools import accumulate
+
+import torch
+
+from ..engine.runner import ScheduledStep
+from ..model.kv import KVStats, LatentKV
+from .group import DCPGroup
+
+# ("release", req_id)                 the request finished: free its KV and draft window
+# ("rollback", req_id, length)         rejected drafts: forget positions >= length in the KV and draft window
+# ("observe", indices, kept)           draft-window update from the first kept[i] rows of the last forward's
+#                                      segment indices[i]
+Op = tuple
+
+
+@dataclass(frozen=True)
+class RequestRef:
+    """A request as followers know it: its id (the key of its KV and draft window)."""
+    id: str
+
+
+@dataclass
+class ReplayStep(ScheduledStep):
+    """Rank 0's step as followers run it: the token ids are given, and no logits are computed."""
+    tokens: list[list[int]] = field(default_factory=list)     # per segment: its token ids, drafts included
+
+    @classmethod
+    def of(cls, step: ScheduledStep) -> "ReplayStep":
+        ids = step.token_ids()
+        ends = list(accumulate(s.length for s in step.segments))
+        n = len(step.reqs)
+        return cls([RequestRef(r.id) for r in step.reqs], list(step.segments), list(step.num_drafts),
+                   [[] for _ in range(n)], [None] * n, [ids[e - s.length:e] for s, e in zip(step.segments, ends)])
+
+    def token_ids(self) -> list[int]:
+        return [t for seg in self.tokens for t in seg]
+
+    def logit_rows(self) -> list[int]:
+        return [0] * len(self.reqs)
+
+    def only(self, i: int) -> "ReplayStep":
+        return ReplayStep([self.reqs[i]], [self.segments[i]], [self.num_drafts[i]], [[]], [None], [self.tokens[i]])
+
+
+@dataclass
+class StepMessage:
+    ops: list[Op]
+    step: ReplayStep | None = None   # None: only the ops (rank 0 is idle: a heartbeat)
+    stop: bool = False               # the server is shutting down: leave the group
+
+
+@dataclass
+class RankPool:
+    """One rank's latent store: its host pool (0 tokens when the store has none) and cache counters."""
+    capacity_tokens: int
+    used_tokens: int
+    stats: KVStats
+
+    @property
+    def usage_ratio(self) -> float:
+        return self.used_tokens / self.capacity_tokens if self.capacity_tokens else 0.0
+
+
+STAT_FIELDS = tuple(f.name for f in fields(KVStats))
+
+
+def gather_pools(group: DCPGroup, kv: LatentKV) -> list[RankPool]:
+    """Every rank's RankPool (a collective: all ranks call it). kv: this rank's ShardedKV."""
+    pool = getattr(kv.inner, "pool", None)
+    mine = [pool.token_capacity, pool.pages_used * pool.page_tokens] if pool is not None else [0, 0]
+    mine += [getattr(kv.stats, k) for k in STAT_FIELDS]
+    every = group.all_gather(torch.tensor([mine], dtype=torch.float64), "per-rank pool stats")   # [R, 1, n]
+    return [RankPool(int(r[0]), int(r[1]), KVStats(**{k: int(v) for k, v in zip(STAT_FIELDS, r[2:].tolist())}))
+            for r in every[:, 0]]

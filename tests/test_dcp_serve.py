@@ -1,0 +1,265 @@
+"""`hisparse serve --dcp-size R` end to end (issue 8): real server processes (rank 0 + spawned followers, gloo)
+with HiSparse on and a hot buffer far below the context, driven by the official openai client.
+
+Greedy completions (64 tokens, concurrent) equal the single-rank tokens, with and without DSpark; /metrics shows
+every rank's pool; a follower killed or stopped mid-request fails the request with an error naming DCP and the
+rank, the server exits non-zero within the timeout and leaves no process behind; a follower that dies while
+loading ends `serve` with its error. In process: the followers' DSpark draft windows are bit-identical to rank 0's.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+from serving import free_port, running, wait_healthy
+from test_server import KEY, MAX_MODEL_LEN, Server
+
+from hisparse.dcp.context import DCPContext
+from hisparse.dcp.group import DCPGroup
+from hisparse.dcp.kv import ShardedKV
+from hisparse.dcp.launch import launch as launch_ranks
+from hisparse.dcp.leader import DCPEngine
+from hisparse.dcp.serve import run_follower
+from hisparse.engine.generate import greedy_generate
+from hisparse.engine.kv_factory import build_kv
+from hisparse.engine.request import SamplingParams
+from hisparse.engine.scheduler import SchedulerConfig
+from hisparse.engine.speculative import SpeculativeConfig
+from hisparse.model.tiny import builtin_tiny
+from hisparse.model.tokenizer import load_tokenizer
+from hisparse.model.weights import load_model
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+TOKENS = 64
+TIMEOUT = 5          # --dcp-timeout of every server here (heartbeat every 1.25 s)
+HOT, WINDOW, POOL_GIB = 16, 8, 0.05   # 28 device rows per layer and request; the prompts are longer
+
+
+def prompts(seed: int, n: int = 3) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(40, 70, (n,), generator=g).tolist()
+    return [torch.randint(1000, 131072, (k,), generator=g).tolist() for k in lengths]
+
+
+@pytest.fixture(scope="module")
+def reference(seed: int) -> tuple[list[list[int]], list[str]]:
+    """The prompts and their single-rank greedy texts, in this process on the server's KV settings."""
+    torch.set_num_threads(1)
+    model = load_model(builtin_tiny())
+    text = load_tokenizer(builtin_tiny()).instruct_tokenizer.tokenizer
+    ps = prompts(seed)
+    kv = lambda: build_kv(model.cfg, host_pool_gib=POOL_GIB, hot_buffer_tokens=HOT, resident_window=WINDOW)
+    return ps, [text.decode(greedy_generate(model, kv(), p, TOKENS).tokens) for p in ps]
+
+
+def complete(server: Server, prompt: list[int], max_tokens: int = TOKENS) -> str:
+    r = server.client().completions.create(model=server.name, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == max_tokens
+    return r.choices[0].text
+
+
+def complete_all(server: Server, ps: list[list[int]]) -> list[str]:
+    """All prompts at once (batched by the engine)."""
+    with ThreadPoolExecutor(len(ps)) as pool:
+        return list(pool.map(lambda p: complete(server, p), ps))
+
+
+@contextmanager
+def dcp_server(log: Path, *extra: str, healthy: bool = True) -> Iterator[tuple[Server, subprocess.Popen]]:
+    """`hisparse serve` (built-in tiny checkpoint, HiSparse with a small hot buffer) with `extra` flags."""
+    ckpt, port = builtin_tiny(), free_port()
+    cmd = [sys.executable, "-m", "hisparse.cli", "serve", "--model", str(ckpt), "--port", str(port), "--api-key", KEY,
+           "--max-model-len", str(MAX_MODEL_LEN), "--host-pool-gib", str(POOL_GIB), "--hot-buffer-tokens", str(HOT),
+           "--resident-window", str(WINDOW), "--device", "cpu", "--log-level", "warning",
+           "--dcp-timeout", str(TIMEOUT), *extra]
+    url = f"http://127.0.0.1:{port}"
+    with running(cmd, log, dict(os.environ, OMP_NUM_THREADS="1")) as proc:
+        if healthy:
+            wait_healthy(proc, url, log)
+        yield Server(url, ckpt.name, ckpt, log), proc
+
+
+def follower_pids(log: Path) -> list[int]:
+    return [int(m) for m in re.findall(r"DCP rank [1-9]\d* \(pid (\d+)\)", log.read_text())]
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below pid (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    out, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.add(c)
+            todo.append(c)
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def assert_all_gone(pids: set[int], within: float = 10.0) -> None:
+    deadline = time.monotonic() + within
+    while left := [p for p in pids if alive(p)]:
+        assert time.monotonic() < deadline, f"processes left behind: {left}"
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("interleave,spec,n", [(1, None, 3), (2, 2, 2)], ids=["I1", "I2-dspark"])
+def test_dcp_server_greedy_equals_single_rank(tmp_path: Path, reference, interleave: int, spec: int | None,
+                                              n: int) -> None:
+    """R = 2: n concurrent greedy completions equal R = 1 (with DSpark: equal plain R = 1 decoding); metrics per
+    rank; every pool empty again once idle; nothing left running after a normal shutdown."""
+    ps, want, size = reference[0][:n], reference[1][:n], 2
+    extra = ["--dcp-size", str(size), "--dcp-interleave", str(interleave)]
+    if spec:
+        extra += ["--speculative-config", f'{{"method": "dspark", "num_speculative_tokens": {spec}}}']
+    with dcp_server(tmp_path / "serve.log", *extra) as (server, proc):
+        log = server.log.read_text()
+        assert f"DCP: {size} ranks, interleave {interleave}" in log and len(follower_pids(server.log)) == size - 1
+        pools = [int(n.replace(",", "")) for n in re.findall(r"DCP rank \d+ \(pid \d+\): host pool ([\d,]+) tokens",
+                                                               log)]
+        cap = int(re.search(r"KV cache \(host pool\) size: ([\d,]+) tokens", log)[1].replace(",", ""))
+        assert len(pools) == size and len(set(pools)) == 1 and cap == size * pools[0]   # global: R pools
+        assert complete_all(server, ps) == want
+        m = server.wait_idle()
+        rank = [f'{{"rank": "{r}"}}' for r in range(size)]
+        assert all(m[f"hisparse_dcp_host_pool_capacity_tokens{k}"] == pools[0] for k in rank)
+        assert all(m[f"hisparse_dcp_cache_misses{k}"] > 0 for k in rank)   # every rank served rows from its pool
+        assert m["hisparse_cache_misses_total"] == sum(m[f"hisparse_dcp_cache_misses{k}"] for k in rank)
+        deadline = time.monotonic() + 3 * TIMEOUT                          # the heartbeat reports the releases
+        while any(m[f"hisparse_dcp_host_pool_used_tokens{k}"] for k in rank):
+            assert time.monotonic() < deadline, m
+            time.sleep(0.3)
+            m = server.metrics()
+        assert m[f'hisparse_dcp_host_pool_total_usage_ratio{{"ranks": "{size}"}}'] == 0.0
+        if spec:
+            assert m["hisparse_spec_decode_num_draft_tokens_total"] > 0
+        group = descendants(proc.pid) | {proc.pid}
+    assert proc.returncode == 0 or proc.returncode == -signal.SIGTERM
+    assert_all_gone(group)
+
+
+@pytest.mark.parametrize("how", ["kill", "hang"])
+def test_dead_or_hung_follower_fails_the_server_cleanly(tmp_path: Path, how: str, seed: int) -> None:
+    """Two requests in flight (one streaming) when rank 1 is SIGKILLed or SIGSTOPped: both end with an error
+    naming DCP and rank 1 within the timeout, a new request is refused, the server exits non-zero, no process is
+    left."""
+    with dcp_server(tmp_path / "serve.log", "--dcp-size", "2") as (server, proc):
+        group = descendants(proc.pid) | {proc.pid}
+        (follower,) = follower_pids(server.log)
+        events: list[str] = []
+        failures: list[openai.APIStatusError] = []
+
+        def stream() -> None:
+            body = {"model": server.name, "prompt": prompts(seed + 1, 1)[0], "max_tokens": 1000, "temperature": 0,
+                    "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60,
+                              headers={"Authorization": f"Bearer {KEY}"}) as r:
+                events.extend(filter(None, r.iter_lines()))
+
+        def plain() -> None:
+            try:
+                complete(server, prompts(seed + 2, 1)[0], 1000)
+            except openai.APIStatusError as e:
+                failures.append(e)
+
+        clients = [threading.Thread(target=stream), threading.Thread(target=plain)]
+        for c in clients:
+            c.start()
+        deadline = time.monotonic() + 30
+        while server.metrics()["hisparse_generation_tokens_total"] < 4:   # both admitted and decoding
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        os.kill(follower, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+        t0 = time.monotonic()
+        for c in clients:
+            c.join(60)
+        elapsed = time.monotonic() - t0
+        with pytest.raises((openai.APIStatusError, openai.APIConnectionError)):   # refused (503) or gone
+            complete(server, prompts(seed + 3, 1)[0], 4)
+        code = proc.wait(timeout=3 * TIMEOUT)
+    (failure,) = failures
+    message = str(failure)
+    print(f"{how}: failed after {elapsed:.1f} s with {failure.status_code}: {message[:400]}")
+    assert failure.status_code == 500 and "DCP" in message and f"rank 1 (pid {follower})" in message
+    assert ("killed by signal SIGKILL" if how == "kill" else "hung") in message
+    errors = [e for e in events if '"error"' in e]
+    assert errors and f"rank 1 (pid {follower})" in errors[0] and events[-1] == "data: [DONE]"
+    assert elapsed < 2 * TIMEOUT + 5
+    assert code not in (0, None) and "stopped because the DCP group failed" in server.log.read_text()
+    assert_all_gone(group)
+
+
+def test_follower_failing_at_startup_ends_serve(tmp_path: Path) -> None:
+    """A follower that dies while loading: serve exits non-zero naming it, without waiting for the timeout."""
+    with dcp_server(tmp_path / "serve.log", "--dcp-size", "2", healthy=False) as (server, proc):
+        deadline = time.monotonic() + 30
+        while not (kids := [p for p in descendants(proc.pid)
+                            if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]):
+            assert time.monotonic() < deadline and proc.poll() is None, server.log.read_text()
+            time.sleep(0.05)
+        os.kill(kids[0], signal.SIGKILL)
+        code = proc.wait(timeout=3 * TIMEOUT)
+    log = server.log.read_text()
+    assert code not in (0, None) and f"rank 1 (pid {kids[0]}) died: killed by signal SIGKILL" in log, log
+    assert_all_gone({proc.pid, *kids})
+
+
+def window_rank(group: DCPGroup, seed: int) -> dict:
+    """Every rank: the engine path with DSpark (rank 0 schedules, drafts and samples; rank 1 replays); after 12
+    steps, with requests still in flight, the ranks' draft windows and rank 0's acceptance counts."""
+    model = load_model(builtin_tiny())
+    kv = build_kv(model.cfg, host_pool_gib=POOL_GIB, hot_buffer_tokens=HOT, resident_window=WINDOW)
+    spec = SpeculativeConfig(num_speculative_tokens=2)
+    if group.rank > 0:
+        cache = run_follower(group, model, kv, 1, spec).speculator.proposer.cache
+        return {"rows": cache.rows, "pos": cache.pos}
+    engine = DCPEngine(model, ShardedKV(kv, DCPContext(group, 1)),
+                       SchedulerConfig(max_model_len=512, max_num_seqs=4, max_num_batched_tokens=64), speculative=spec)
+    engine.leader.gather()                       # the start-up exchange run_follower expects
+    for p in prompts(seed):
+        engine.add_request(p, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+    for _ in range(12):
+        engine.step()
+    cache, stats = engine.speculator.proposer.cache, engine.speculator.stats
+    out = {"rows": {r: t.clone() for r, t in cache.rows.items()}, "pos": {r: t.clone() for r, t in cache.pos.items()},
+           "proposed": stats.proposed, "accepted": stats.accepted, "running": len(engine.scheduler.running)}
+    engine.stop()
+    return out
+
+
+def test_draft_windows_replicated_on_every_rank(seed: int) -> None:
+    """DSpark under DCP: observe / rollback ops keep each follower's draft window cache bit-identical to rank 0's."""
+    lead, follow = launch_ranks(window_rank, 2, seed, threads=1, timeout_s=60.0, deadline_s=300.0)
+    assert lead["running"] == 3 and lead["proposed"] > lead["accepted"]     # in flight, some drafts rolled back
+    assert sorted(lead["rows"]) == sorted(follow["rows"]) and len(lead["rows"]) == 3
+    for req in lead["rows"]:
+        assert (lead["pos"][req] >= 0).sum() > 0
+        assert torch.equal(lead["pos"][req], follow["pos"][req])
+        assert torch.equal(lead["rows"][req], follow["rows"][req])
