@@ -167,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="checkpoints/needle-ml4", help="checkpoint dir to write")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: bit-reproducible for a seed)")
+    p.add_argument("--resume", action="store_true", help="continue after the last stage checkpoint in --out")
     p.add_argument("--eval-only", action="store_true", help="skip training; evaluate the checkpoint in --out")
     p.add_argument("--eval-chars", default="1000,4000,8000", help="haystack lengths (characters = tokens)")
     p.add_argument("--eval-samples", type=int, default=20, help="fresh passkey prompts per length")

@@ -3,6 +3,8 @@ is reproducible from a seed, and the shipped checkpoint retrieves passkeys throu
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -80,6 +82,17 @@ def test_training_is_reproducible_and_writes_a_servable_checkpoint(tmp_path: Pat
     b = train(tmp_path / "b", recipe)
     for (n, p), q in zip(a.named_parameters(), b.parameters()):
         assert torch.equal(p, q), n
+    # resuming after the first stage's checkpoint gives the uninterrupted run's weights and log
+    (tmp_path / "c").mkdir()
+    shutil.copytree(tmp_path / "a" / "after-dense", tmp_path / "c" / "after-dense")
+    shutil.copy(tmp_path / "a" / "train_log.jsonl", tmp_path / "c")
+    c = train(tmp_path / "c", recipe, resume=True)
+    for (n, p), q in zip(a.named_parameters(), c.parameters()):
+        assert torch.equal(p, q), n
+    strip = [{k: v for k, v in json.loads(ln).items() if k != "s"}
+             for ln in (tmp_path / "a" / "train_log.jsonl").read_text().splitlines()]
+    assert strip == [{k: v for k, v in json.loads(ln).items() if k != "s"}
+                     for ln in (tmp_path / "c" / "train_log.jsonl").read_text().splitlines()]
     for name, p in a.named_parameters():
         if name.endswith("ssmax_scaling"):
             assert (p[:, 0] >= 0).all() and (p[:, 1] >= 0.1).all()

@@ -38,3 +38,28 @@ def heatmap(cells: list[dict], names: list[str], out: Path, title: str) -> None:
     fig.suptitle(title, fontsize=9)
     fig.savefig(out, dpi=80, bbox_inches="tight")
     plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m benchmarks.needle.plot RUN.json [RUN.json ...] --out X.png`: one heatmap over the cells of several
+    runs of the harness (e.g. many seeds at 8k, a few at 128k) against the same endpoints."""
+    import argparse
+    import json
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.needle.plot", description=main.__doc__.split("\n")[0])
+    ap.add_argument("runs", nargs="+", help="needle.json files written by python -m benchmarks.needle")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--title", default=None)
+    args = ap.parse_args(argv)
+    runs = [json.loads(Path(p).read_text()) for p in args.runs]
+    names = list(runs[0]["endpoints"])
+    if any(list(r["endpoints"]) != names for r in runs):
+        raise SystemExit("runs: every run must have the same endpoint names")
+    cells = [c for r in runs for c in r["cells"]]
+    n = sorted({c["retrieval"][names[0]]["n"] for c in cells})
+    title = args.title or (f"needle in a haystack: {runs[0]['endpoints'][names[0]]['model']}, "
+                           f"{'/'.join(map(str, n))} sample(s) per cell")
+    heatmap(cells, names, Path(args.out), title)
+
+
+if __name__ == "__main__":
+    main()

@@ -38,14 +38,16 @@ class Stage:
     max_chars: int
     sparse: bool            # attend over each layer's top-k (else dense causal)
     lr: float
+    echoes: tuple[int, ...] = (0,)   # extra needle copies per sequence, drawn from these (see sample_prompt)
 
 
 @dataclass(frozen=True)
 class Recipe:
     seed: int = 0
     stages: tuple[Stage, ...] = field(default_factory=lambda: (
-        Stage("dense", 1500, 48, 640, False, 3e-3),
-        Stage("sparse", 1000, 256, 2560, True, 1e-3),
+        Stage("copy", 600, 16, 384, False, 2e-3, (1, 2, 3)),
+        Stage("sparse-copy", 700, 48, 1024, True, 1.5e-3, (0, 1, 2)),
+        Stage("sparse-long", 300, 256, 3072, True, 7e-4, (0, 0, 1)),
     ))
     tokens_per_batch: int = 3072       # sequences of one length per batch, as many as fit
     answer_weight: float = 2.0         # the answer's mean CE is added to the all-token mean CE with this weight

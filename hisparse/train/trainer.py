@@ -21,7 +21,7 @@ from tqdm import tqdm
 from ..model.config import ModelConfig
 from ..model.ml4 import ML4
 from ..model.tokenizer import load_tokenizer, write_tekken
-from ..model.weights import save_model
+from ..model.weights import load_model, save_model
 from .forward import train_forward
 from .passkey import answer, sample_prompt
 from .recipe import TOKENIZER_WORDS, Recipe, Stage, retrieval_params
@@ -61,24 +61,24 @@ class PasskeyBatches:
         self.encode, self.eos = tok.encode, tok.eos_id
         self.rng = random.Random(f"train:{seed}")
 
-    def sequence(self, chars: int) -> tuple[list[int], int]:
-        text, value = sample_prompt(self.rng, chars, self.rng.random())
+    def sequence(self, chars: int, echoes: int) -> tuple[list[int], int]:
+        """One training sequence with `chars` haystack characters and its prompt length."""
+        text, value = sample_prompt(self.rng, chars, self.rng.random(), echoes)
         prompt = self.encode(text, bos=True, eos=False)
         return prompt + self.encode(answer(value), bos=False, eos=False) + [self.eos], len(prompt)
 
-    def batch(self, stage: Stage, tokens_per_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """tokens [B, T] and the answer mask over targets [B, T - 1] (True on the answer and EOS)."""
+    def batch(self, stage: Stage, tokens_per_batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """tokens [B, T], the answer mask over targets [B, T - 1] (True on the answer and EOS) and the valid mask
+        (False on padding: sequences of one batch differ by a token or two, padded with EOS at the end)."""
         chars = round(math.exp(self.rng.uniform(math.log(stage.min_chars), math.log(stage.max_chars))))
-        seqs = []
-        for _ in range(max(1, tokens_per_batch // (chars + 200))):
-            seqs.append(self.sequence(chars))
-        T = min(len(s) for s, _ in seqs)
-        toks, ans = [], []
-        for s, n in seqs:   # trim the haystack's start so every sequence has T tokens (BOS and intro kept)
-            cut = len(s) - T
-            toks.append(s[:1] + s[1 + cut:])
-            ans.append([i >= n - 1 - cut for i in range(T - 1)])
-        return torch.tensor(toks), torch.tensor(ans)
+        seqs = [self.sequence(chars, self.rng.choice(stage.echoes))
+                for _ in range(max(1, tokens_per_batch // (chars + 200)))]
+        T = max(len(s) for s, _ in seqs)
+        toks = torch.tensor([s + [self.eos] * (T - len(s)) for s, _ in seqs])
+        i = torch.arange(T - 1)
+        ans = torch.stack([(i >= n - 1) & (i < len(s) - 1) for s, n in seqs])
+        valid = torch.stack([i < len(s) - 1 for s, _ in seqs])
+        return toks, ans, valid
 
 
 def lr_at(step: int, steps: int, stage: Stage, warmup: int) -> float:
@@ -87,28 +87,50 @@ def lr_at(step: int, steps: int, stage: Stage, warmup: int) -> float:
     return stage.lr * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
 
 
-def train(out: Path, recipe: Recipe = Recipe(), threads: int = 1) -> ML4:
-    """Train and save the retrieval checkpoint into `out`; returns the model."""
+def stage_dir(out: Path, stage: Stage) -> Path:
+    return out / f"after-{stage.name}"
+
+
+def train(out: Path, recipe: Recipe = Recipe(), threads: int = 1, resume: bool = False) -> ML4:
+    """Train and save the retrieval checkpoint into `out`; returns the model.
+
+    Every stage ends in a checkpoint, `out/after-<stage>` (the weights as stored: bf16), and the next stage starts
+    from that checkpoint as loaded, with a fresh optimizer. So `resume` (continue after the last finished stage,
+    fast-forwarding the data stream through the finished stages' batches) gives the same weights as one
+    uninterrupted run."""
     torch.set_num_threads(threads)
     out.mkdir(parents=True, exist_ok=True)
     write_tekken(out, TOKENIZER_WORDS)
     cfg = ModelConfig.from_params(retrieval_params())
     model = init_model(cfg, recipe.seed).train()
     data = PasskeyBatches(out, recipe.seed)
+    done = 0
+    while resume and done < len(recipe.stages) and (stage_dir(out, recipe.stages[done]) / "params.json").exists():
+        done += 1
+    header = {"recipe": asdict(recipe), "params": retrieval_params(), "threads": threads}
+    kept = []
+    if done:
+        finished = {st.name for st in recipe.stages[:done]}
+        lines = (out / "train_log.jsonl").read_text().splitlines()[1:]
+        kept = [ln for ln in lines if json.loads(ln).get("stage") in finished]
+        model = load_stage(out, recipe.stages[done - 1])
+        for stage in recipe.stages[:done]:
+            for _ in range(stage.steps):
+                data.batch(stage, recipe.tokens_per_batch)
     log = open(out / "train_log.jsonl", "w")
-    log.write(json.dumps({"recipe": asdict(recipe), "params": retrieval_params(), "threads": threads}) + "\n")
+    log.write("\n".join([json.dumps(header)] + kept) + "\n")
     t0 = time.time()
-    for stage in recipe.stages:
+    for stage in recipe.stages[done:]:
         opt = torch.optim.AdamW(model.parameters(), lr=stage.lr, betas=(0.9, 0.95), weight_decay=0.01)
         bar = tqdm(range(stage.steps), desc=f"train-needle {stage.name}", mininterval=5)
         for step in bar:
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, stage.steps, stage, recipe.warmup)
-            tokens, ans = data.batch(stage, recipe.tokens_per_batch)
+            tokens, ans, valid = data.batch(stage, recipe.tokens_per_batch)
             logits, index_kl = train_forward(model, tokens[:, :-1], cfg.index_topk if stage.sparse else None)
             ce = F.cross_entropy(logits, tokens[:, 1:].flatten(), reduction="none").view(ans.shape)
             ans_ce = ce[ans].mean()
-            loss = ce.mean() + recipe.answer_weight * ans_ce + recipe.index_weight * index_kl
+            loss = ce[valid].mean() + recipe.answer_weight * ans_ce + recipe.index_weight * index_kl
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip)
@@ -123,18 +145,23 @@ def train(out: Path, recipe: Recipe = Recipe(), threads: int = 1) -> ML4:
             log.write(json.dumps(rec) + "\n")
             log.flush()
             bar.set_postfix(ans=rec["answer_ce"], kl=rec["index_kl"], exact=exact, T=rec["T"])
-        save_model(model, out / f"after-{stage.name}")     # a checkpoint per stage (weights only)
+        save_model(model, stage_dir(out, stage))
+        model = load_stage(out, stage)
     log.close()
     model.eval()
     save_model(model, out)
     return model
 
 
+def load_stage(out: Path, stage: Stage) -> ML4:
+    """A stage's checkpoint as the next stage trains it (fp32 copy of the stored weights)."""
+    return load_model(stage_dir(out, stage)).train()
+
+
 def report(out: Path, lengths: list[int], samples: int, hot_buffer_tokens: int, seed: int) -> dict:
     """Passkey accuracy of the saved checkpoint through HiSparse (hot buffer << context), per haystack length,
     with the per-layer needle recall; written to out/eval.json."""
     from ..engine.kv_factory import build_kv
-    from ..model.weights import load_model
     from .evaluate import passkey_accuracy
     saved = load_model(out)          # the checkpoint as stored (bf16 weights), not the fp32 training copy
     tok = load_tokenizer(out).instruct_tokenizer.tokenizer
@@ -157,6 +184,6 @@ def main(args) -> None:
     """`hisparse train-needle` (args from the CLI)."""
     out = Path(args.out)
     if not args.eval_only:
-        train(out, Recipe(seed=args.seed), threads=args.threads)
+        train(out, Recipe(seed=args.seed), threads=args.threads, resume=args.resume)
     report(out, [int(c) for c in args.eval_chars.split(",")], args.eval_samples, args.hot_buffer_tokens,
            args.seed)
