@@ -21,7 +21,7 @@ class Generation:
 def prefill(model: ML4, kv: LatentKV, req: Hashable, prompt: list[int], chunk: int = 256, start: int = 0,
             trace: ForwardTrace | None = None) -> torch.Tensor:
     """Run prompt tokens [start, len) in chunks; returns the last position's logits [V]. `trace` captures each
-    chunk's forward in turn (the last chunk's is what it holds at the end)."""
+    chunk's forward in turn (it ends up holding the last chunk's)."""
     ids = torch.tensor(prompt, dtype=torch.long, device=model.device)
     last = None
     for s in range(start, len(prompt), chunk):
@@ -32,12 +32,13 @@ def prefill(model: ML4, kv: LatentKV, req: Hashable, prompt: list[int], chunk: i
 
 def greedy_generate(model: ML4, kv: LatentKV, prompt: list[int], max_tokens: int, chunk: int = 256,
                     req: Hashable = 0, stop_ids: tuple[int, ...] = (), keep_logits: bool = False,
-                    prefill_trace: ForwardTrace | None = None) -> Generation:
-    """Greedy decode `max_tokens` tokens after `prompt`; releases the request's KV at the end. `prefill_trace`
-    ends up holding the last prefill chunk's forward (its selections include the last prompt position's)."""
+                    trace: ForwardTrace | None = None, trace_step: int = 0) -> Generation:
+    """Greedy decode `max_tokens` tokens after `prompt`; releases the request's KV at the end. `trace` captures
+    the forward that produced generated token `trace_step` (0: the last prefill chunk's; i: the decode step that
+    fed token i - 1 in)."""
     out = Generation([])
     try:
-        logits = prefill(model, kv, req, prompt, chunk, trace=prefill_trace)
+        logits = prefill(model, kv, req, prompt, chunk, trace=trace if trace_step == 0 else None)
         pos = len(prompt)
         for _ in range(max_tokens):
             tok = int(torch.argmax(logits))
@@ -46,7 +47,8 @@ def greedy_generate(model: ML4, kv: LatentKV, prompt: list[int], max_tokens: int
                 out.logits.append(logits.clone())
             if tok in stop_ids or len(out.tokens) == max_tokens:
                 break
-            logits = model(torch.tensor([tok], device=model.device), [Segment(req, pos, 1)], kv)[0]
+            at = trace if len(out.tokens) == trace_step else None
+            logits = model(torch.tensor([tok], device=model.device), [Segment(req, pos, 1)], kv, trace=at)[0]
             pos += 1
     finally:
         kv.release(req)

@@ -1,6 +1,6 @@
 """Passkey accuracy of a checkpoint through the inference path (ML4.forward over any LatentKV), with each
-indexer-owning layer's needle recall at the question: the share of the passkey's tokens in that layer's top-k
-selection at the last prompt position. `train-needle` reports it; the served benchmark is `benchmarks/needle`."""
+indexer-owning layer's needle recall: whether that layer's top-k selection, at the position that predicts the
+answer's first digit, holds any of the passkey's tokens. `train-needle` reports it; the served benchmark is `benchmarks/needle`."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ class PasskeyResult:
     value: str
     completion: str
     found: bool
-    recall: dict[int, float]       # indexer-owner layer -> share of the passkey's tokens selected at the question
+    recall: dict[int, float]       # indexer-owner layer -> 1.0 if Sel(t) holds a passkey token, t the position
+                                   # that predicts the first digit
 
 
 def find(seq: list[int], sub: list[int]) -> int:
@@ -38,13 +39,15 @@ def passkey_trial(model: ML4, kv: LatentKV, tokenizer, chars: int, depth: float,
     ids = tokenizer.encode(text, bos=True, eos=False)
     digits = tokenizer.encode(value, bos=False, eos=False)
     at = find(ids, digits)
-    trace = ForwardTrace()
-    gen = greedy_generate(model, kv, ids, max_tokens, chunk=1024, stop_ids=(tokenizer.eos_id,), prefill_trace=trace)
+    trace = ForwardTrace()   # the forward that predicts the first digit (the answer starts with a space)
+    gen = greedy_generate(model, kv, ids, max_tokens, chunk=1024, stop_ids=(tokenizer.eos_id,), trace=trace,
+                          trace_step=1)
     completion = tokenizer.decode(gen.tokens)
+    started = gen.tokens[:1] == tokenizer.encode(" ", bos=False, eos=False)   # else nothing was traced usefully
     recall = {}
-    for layer, sels in trace.selections.items():
-        chosen = set(sels[0][-1].tolist())
-        recall[layer] = sum(p in chosen for p in range(at, at + len(digits))) / len(digits)
+    for layer in model.cfg.index_owner_layers:
+        chosen = set(trace.selections[layer][0][-1].tolist()) if started and layer in trace.selections else set()
+        recall[layer] = float(any(p in chosen for p in range(at, at + len(digits))))
     found = completion.strip().rstrip(".").strip() == value
     return PasskeyResult(len(ids), depth, value, completion, found, recall)
 
