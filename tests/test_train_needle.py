@@ -110,7 +110,6 @@ def test_init_model_ssmax_gain_is_one():
             assert torch.equal(p, torch.tensor([[0.0, 1.0]]).expand_as(p))
 
 
-@pytest.mark.skipif(not (SHIPPED / "params.json").exists(), reason="checkpoint not trained yet")
 def test_shipped_checkpoint_retrieves_through_hisparse():
     """The committed model finds fresh passkeys far beyond a hot buffer of 64 slots, with HiSparse on and off
     giving identical completions."""

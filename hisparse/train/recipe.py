@@ -48,9 +48,10 @@ class Recipe:
         Stage("copy", 600, 16, 384, False, 2e-3, (1, 2, 3)),
         Stage("sparse-copy", 700, 48, 1024, True, 1.5e-3, (0, 1, 2)),
         Stage("sparse-long", 300, 256, 3072, True, 7e-4, (0, 0, 1)),
+        Stage("sparse-8k", 30, 2048, 8192, True, 5e-4),
     ))
     tokens_per_batch: int = 3072       # sequences of one length per batch, as many as fit
     answer_weight: float = 2.0         # the answer's mean CE is added to the all-token mean CE with this weight
     index_weight: float = 1.0
-    warmup: int = 100
+    warmup: int = 100                  # steps (at most a fifth of a stage)
     clip: float = 1.0
