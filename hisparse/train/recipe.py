@@ -39,6 +39,7 @@ class Stage:
     sparse: bool            # attend over each layer's top-k (else dense causal)
     lr: float
     echoes: tuple[int, ...] = (0,)   # extra needle copies per sequence, drawn from these (see sample_prompt)
+    warmup: int | None = None        # linear warm-up steps (None: the recipe's)
 
 
 @dataclass(frozen=True)
@@ -48,10 +49,10 @@ class Recipe:
         Stage("copy", 600, 16, 384, False, 2e-3, (1, 2, 3)),
         Stage("sparse-copy", 700, 48, 1024, True, 1.5e-3, (0, 1, 2)),
         Stage("sparse-long", 300, 256, 3072, True, 7e-4, (0, 0, 1)),
-        Stage("sparse-8k", 30, 2048, 8192, True, 5e-4),
+        Stage("sparse-8k", 30, 2048, 8192, True, 5e-4, warmup=6),
     ))
     tokens_per_batch: int = 3072       # sequences of one length per batch, as many as fit
     answer_weight: float = 2.0         # the answer's mean CE is added to the all-token mean CE with this weight
     index_weight: float = 1.0
-    warmup: int = 100                  # steps (at most a fifth of a stage)
+    warmup: int = 100                  # linear warm-up steps of a stage (unless it sets its own)
     clip: float = 1.0

@@ -82,8 +82,8 @@ class PasskeyBatches:
 
 
 def lr_at(step: int, steps: int, stage: Stage, warmup: int) -> float:
-    """Linear warm-up (at most a fifth of the stage), then cosine decay to 0."""
-    warmup = min(warmup, max(1, steps // 5))
+    """Linear warm-up (the stage's own length if it sets one), then cosine decay to 0."""
+    warmup = stage.warmup if stage.warmup is not None else warmup
     if step < warmup:
         return stage.lr * (step + 1) / warmup
     return stage.lr * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
