@@ -106,7 +106,11 @@ def test_torch_path_against_sort_and_spec(seed: int) -> None:
     q, wr, keys, n_visible = random_case(g, torch.float32, "normal", 24, 300, 2, 8)
     ref = torch.einsum("th,ths->ts", wr.double(), torch.relu(torch.einsum("thd,sd->ths", q.double(), keys.double())))
     got = index_scores(q, wr, keys, torch.full((24,), 299))
-    assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-6)
+    # fp32 rounding bound: each dot has dI roundings, the weighted head sum HI more, all relative to the sum of
+    # the magnitudes of what they add (a near-zero score after cancellation can carry an error far above atol)
+    mag = torch.einsum("th,ths->ts", wr.double().abs(), torch.einsum("thd,sd->ths", q.double().abs(), keys.double().abs()))
+    bound = 2 * (q.shape[2] + q.shape[1]) * torch.finfo(torch.float32).eps * mag
+    assert bool(((got.double() - ref).abs() <= bound).all())
 
 
 def test_select_paths_and_chunks_identical(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -76,8 +76,9 @@ def test_indexer_loss_trains_only_the_indexers(seed: int):
 
 
 def test_training_is_reproducible_and_writes_a_servable_checkpoint(tmp_path: Path):
-    recipe = Recipe(seed=3, stages=(Stage("dense", 3, 16, 48, False, 1e-3), Stage("sparse", 2, 64, 160, True, 1e-3)),
-                    tokens_per_batch=512, warmup=2)
+    recipe = Recipe(seed=3, stages=(Stage("dense", 3, 16, 48, False, 1e-3), Stage("sparse", 2, 64, 160, True, 1e-3),
+                                    Stage("topk", 2, 96, 200, True, 1e-3, topk_only=True)),
+                    tokens_per_batch=512, warmup=2, kl_recent_keys=8)
     a = train(tmp_path / "a", recipe)
     b = train(tmp_path / "b", recipe)
     for (n, p), q in zip(a.named_parameters(), b.parameters()):
@@ -100,7 +101,7 @@ def test_training_is_reproducible_and_writes_a_servable_checkpoint(tmp_path: Pat
     assert saved.cfg == ModelConfig.from_params(retrieval_params())
     assert load_tokenizer(tmp_path / "a").instruct_tokenizer.tokenizer.n_words == TOKENIZER_WORDS
     lines = (tmp_path / "a" / "train_log.jsonl").read_text().splitlines()
-    assert len(lines) == 1 + 3 + 2
+    assert len(lines) == 1 + 3 + 2 + 2
 
 
 def test_init_model_ssmax_gain_is_one():

@@ -1,6 +1,8 @@
 """Passkey accuracy of a checkpoint through the inference path (ML4.forward over any LatentKV), with each
-indexer-owning layer's needle recall: whether that layer's top-k selection, at the position that predicts the
-answer's first digit, holds any of the passkey's tokens. `train-needle` reports it; the served benchmark is `benchmarks/needle`."""
+indexer-owning layer's needle recall (whether that layer's top-k selection, at the position that predicts the
+answer's first digit, holds any of the passkey's tokens) and local recall (how many of the newest keys it holds:
+far-away look-alikes crowding them out is what breaks a model past its training length). `train-needle` reports
+it; the served benchmark is `benchmarks/needle`."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ from ..model.kv import LatentKV
 from ..model.ml4 import ML4
 from .passkey import sample_prompt
 
+NEAR_KEYS = 16   # the local context a byte-level model needs to read the cue (about three words)
+
 
 @dataclass
 class PasskeyResult:
@@ -24,6 +28,7 @@ class PasskeyResult:
     found: bool
     recall: dict[int, float]       # indexer-owner layer -> 1.0 if Sel(t) holds a passkey token, t the position
                                    # that predicts the first digit
+    local: dict[int, float]        # indexer-owner layer -> share of the NEAR_KEYS keys up to t that Sel(t) holds
 
 
 def find(seq: list[int], sub: list[int]) -> int:
@@ -44,12 +49,14 @@ def passkey_trial(model: ML4, kv: LatentKV, tokenizer, chars: int, depth: float,
                           trace_step=1)
     completion = tokenizer.decode(gen.tokens)
     started = gen.tokens[:1] == tokenizer.encode(" ", bos=False, eos=False)   # else nothing was traced usefully
-    recall = {}
+    recall, local = {}, {}
+    t = len(ids)                     # the traced query: the generated space
     for layer in model.cfg.index_owner_layers:
         chosen = set(trace.selections[layer][0][-1].tolist()) if started and layer in trace.selections else set()
         recall[layer] = float(any(p in chosen for p in range(at, at + len(digits))))
+        local[layer] = sum(p in chosen for p in range(t - NEAR_KEYS + 1, t + 1)) / NEAR_KEYS
     found = completion.strip().rstrip(".").strip() == value
-    return PasskeyResult(len(ids), depth, value, completion, found, recall)
+    return PasskeyResult(len(ids), depth, value, completion, found, recall, local)
 
 
 def passkey_accuracy(model: ML4, make_kv: Callable[[], LatentKV], tokenizer, chars: int, n: int, seed: int = 0,

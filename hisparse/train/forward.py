@@ -63,19 +63,28 @@ def block_forward(block: Block, h: torch.Tensor, st: TrainBatchState) -> torch.T
     return h + ffn(block.ffn_norm(h))
 
 
-def attention_forward(block: Block, x: torch.Tensor, st: TrainBatchState) -> torch.Tensor:   # x [B T, D]
+def queries_and_latents(block: Block, x: torch.Tensor, st) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x [N, D] -> q_nope [N, H, dN], q_rope [N, H, dR] (None on NoPE layers), SSMax gain applied; a KV owner
+    also stores its latents c [N, r] and k_rope [N, dR] in st.latents (st: either forward's batch state)."""
     mla, spec, cfg = block.attention, block.spec, block.attention.cfg
-    B, T, H, dN, r = st.B, st.T, cfg.n_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
-    q = mla.wq(x).view(B * T, H, mla.q_head_dim)
+    dN, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
+    q = mla.wq(x).view(x.shape[0], cfg.n_heads, mla.q_head_dim)
     q_nope, q_rope = q[..., :dN], (apply_rope(q[..., dN:], st.cos, st.sin) if spec.rope else None)
     if mla.ssmax_scaling is not None:
-        g = ssmax_gain(mla.ssmax_scaling, st.positions, x.dtype)[..., None]          # [B T, H, 1]
+        g = ssmax_gain(mla.ssmax_scaling, st.positions, x.dtype)[..., None]          # [N, H, 1]
         q_nope, q_rope = q_nope * g, (q_rope * g if q_rope is not None else None)
     if spec.kv_owner:
         a = mla.wkv_a_with_mqa(x)
-        c = mla.kv_a_norm(a[:, :r])                                                   # [B T, r]
-        st.latents[spec.index] = c, (apply_rope(a[:, r:], st.cos, st.sin) if spec.rope else None)
-    c, k_rope = st.latents[spec.kv_source]
+        st.latents[spec.index] = mla.kv_a_norm(a[:, :r]), (apply_rope(a[:, r:], st.cos, st.sin) if spec.rope
+                                                           else None)
+    return q_nope, q_rope
+
+
+def attention_forward(block: Block, x: torch.Tensor, st: TrainBatchState) -> torch.Tensor:   # x [B T, D]
+    mla, spec, cfg = block.attention, block.spec, block.attention.cfg
+    B, T, H, dN, r = st.B, st.T, cfg.n_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
+    q_nope, q_rope = queries_and_latents(block, x, st)
+    c, k_rope = st.latents[spec.kv_source]                                          # [B T, r], [B T, dR]
     w_kvb = mla.wkv_b.weight.view(H, dN + cfg.v_head_dim, r)
     k_nope = torch.einsum("nc,hdc->hnd", c, w_kvb[:, :dN]).unflatten(1, (B, T)).transpose(0, 1)   # [B, H, T, dN]
     v = torch.einsum("nc,hdc->hnd", c, w_kvb[:, dN:]).unflatten(1, (B, T)).transpose(0, 1)        # [B, H, T, dV]

@@ -40,6 +40,7 @@ class Stage:
     lr: float
     echoes: tuple[int, ...] = (0,)   # extra needle copies per sequence, drawn from these (see sample_prompt)
     warmup: int | None = None        # linear warm-up steps (None: the recipe's)
+    topk_only: bool = False          # sparse via topk_forward: O(T k), indexer KL over Sel(t) + recent keys
 
 
 @dataclass(frozen=True)
@@ -50,9 +51,12 @@ class Recipe:
         Stage("sparse-copy", 700, 48, 1024, True, 1.5e-3, (0, 1, 2)),
         Stage("sparse-long", 300, 256, 3072, True, 7e-4, (0, 0, 1)),
         Stage("sparse-8k", 30, 2048, 8192, True, 5e-4, warmup=6),
+        Stage("sparse-32k", 40, 8192, 32768, True, 5e-4, warmup=6, topk_only=True),
+        Stage("sparse-36k", 24, 16384, 36864, True, 3e-4, warmup=4, topk_only=True),
     ))
     tokens_per_batch: int = 3072       # sequences of one length per batch, as many as fit
     answer_weight: float = 2.0         # the answer's mean CE is added to the all-token mean CE with this weight
     index_weight: float = 1.0
+    kl_recent_keys: int = 64           # topk_only stages: the newest keys the indexer KL adds to Sel(t)
     warmup: int = 100                  # linear warm-up steps of a stage (unless it sets its own)
     clip: float = 1.0

@@ -23,6 +23,7 @@ from ..model.ml4 import ML4
 from ..model.tokenizer import load_tokenizer, write_tekken
 from ..model.weights import load_model, save_model
 from .forward import train_forward
+from .topk_forward import topk_forward
 from .passkey import answer, sample_prompt
 from .recipe import TOKENIZER_WORDS, Recipe, Stage, retrieval_params
 
@@ -129,7 +130,10 @@ def train(out: Path, recipe: Recipe = Recipe(), threads: int = 1, resume: bool =
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, stage.steps, stage, recipe.warmup)
             tokens, ans, valid = data.batch(stage, recipe.tokens_per_batch)
-            logits, index_kl = train_forward(model, tokens[:, :-1], cfg.index_topk if stage.sparse else None)
+            if stage.topk_only:
+                logits, index_kl = topk_forward(model, tokens[:, :-1], cfg.index_topk, recipe.kl_recent_keys)
+            else:
+                logits, index_kl = train_forward(model, tokens[:, :-1], cfg.index_topk if stage.sparse else None)
             ce = F.cross_entropy(logits, tokens[:, 1:].flatten(), reduction="none").view(ans.shape)
             ans_ce = ce[ans].mean()
             loss = ce[valid].mean() + recipe.answer_weight * ans_ce + recipe.index_weight * index_kl
@@ -174,9 +178,10 @@ def report(out: Path, lengths: list[int], samples: int, hot_buffer_tokens: int, 
         layers = sorted(res[0].recall)
         rows.append({"haystack_chars": chars, "prompt_tokens": round(sum(r.tokens for r in res) / len(res)),
                      "accuracy": sum(r.found for r in res) / len(res), "samples": len(res),
-                     "needle_recall": {l: sum(r.recall[l] for r in res) / len(res) for l in layers}})
+                     "needle_recall": {l: sum(r.recall[l] for r in res) / len(res) for l in layers},
+                     "local_recall": {l: round(sum(r.local[l] for r in res) / len(res), 3) for l in layers}})
         print(f"passkey @ {rows[-1]['prompt_tokens']:,} tokens: {100 * rows[-1]['accuracy']:.0f}% of {samples}, "
-              f"needle recall per layer {rows[-1]['needle_recall']}", flush=True)
+              f"needle recall per layer {rows[-1]['needle_recall']}, local {rows[-1]['local_recall']}", flush=True)
     result = {"kv": f"hisparse, hot buffer {hot_buffer_tokens}", "rows": rows}
     (out / "eval.json").write_text(json.dumps(result, indent=1))
     return result

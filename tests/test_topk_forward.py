@@ -1,0 +1,78 @@
+"""The top-k-only training forward: the inference model's math over Sel(t), its candidate sets, and the
+indexer loss that trains only indexers (every layer kind of the tiny preset)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import full_forward, random_tokens, selection_sets, tiny_model
+import hisparse.train.topk_forward as tf
+from hisparse.train.forward import train_forward
+from hisparse.train.topk_forward import topk_forward
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+@pytest.mark.parametrize("recent", [0, 5])
+def test_topk_forward_is_the_inference_math(seed: int, recent: int):
+    """Logits equal ML4.forward's (fp64), and the masked sparse training forward's, for two sequences in a batch,
+    whatever the indexer KL's recent window (attention reads Sel(t) only)."""
+    model = tiny_model(seed)
+    T = 48
+    tokens = torch.stack([random_tokens(T, model.cfg.vocab_size, seed),
+                          random_tokens(T, model.cfg.vocab_size, seed + 1)])
+    refs = [full_forward(model, tokens[b])[0] for b in range(2)]
+    logits, kl = topk_forward(model, tokens, model.cfg.index_topk, recent)
+    assert torch.allclose(logits, torch.cat(refs), rtol=1e-9, atol=1e-9), (logits - torch.cat(refs)).abs().max()
+    masked, _ = train_forward(model, tokens, model.cfg.index_topk)
+    assert torch.allclose(logits, masked, rtol=1e-9, atol=1e-9)
+    assert torch.isfinite(kl) and kl >= 0
+
+
+def test_candidates_are_selection_plus_recent(seed: int, monkeypatch: pytest.MonkeyPatch):
+    """Per owner and query: `selected` is exactly the inference Sel(t), `scored` is Sel(t) ∪ (t - W, t], each
+    key once, and rows point into the query's own sequence."""
+    model = tiny_model(seed)
+    T, W = 40, 6
+    tokens = torch.stack([random_tokens(T, model.cfg.vocab_size, seed + 7),
+                          random_tokens(T, model.cfg.vocab_size, seed)])
+    traces = [full_forward(model, tokens[b])[1] for b in range(2)]
+    seen = []
+    real = tf.candidates
+
+    def recording(*args):
+        seen.append(real(*args))
+        return seen[-1]
+    monkeypatch.setattr(tf, "candidates", recording)
+    topk_forward(model, tokens, model.cfg.index_topk, W)
+    owners = model.cfg.index_owner_layers
+    assert len(seen) == len(owners)
+    for cand, layer in zip(seen, owners):
+        for b in range(2):
+            want = selection_sets(traces[b].selections[layer][0])
+            for t in range(T):
+                n = b * T + t
+                rows = cand.rows[n]
+                assert ((rows >= b * T) & (rows <= n)).all()
+                pos = (rows - b * T).tolist()
+                sel = sorted(p for p, s in zip(pos, cand.selected[n].tolist()) if s)
+                scored = [p for p, s in zip(pos, cand.scored[n].tolist()) if s]
+                assert sel == want[t], (layer, b, t)
+                assert sorted(scored) == sorted(set(want[t]) | set(range(max(0, t - W + 1), t + 1)))
+                assert len(scored) == len(set(scored))
+
+
+def test_topk_indexer_loss_trains_only_the_indexers(seed: int):
+    model = tiny_model(seed, dtype=torch.float32, sharp=False).train()
+    tokens = random_tokens(30, model.cfg.vocab_size, seed)[None]
+    logits, kl = topk_forward(model, tokens, model.cfg.index_topk, 4)
+    kl.backward(retain_graph=True)
+    indexer = [p.grad for n, p in model.named_parameters() if ".indexer." in n]
+    assert any(g is not None and g.abs().sum() > 0 for g in indexer)
+    assert all(p.grad is None or p.grad.abs().sum() == 0 for n, p in model.named_parameters() if ".indexer." not in n)
+    model.zero_grad(set_to_none=True)
+    F.cross_entropy(logits[:-1], tokens[0, 1:]).backward()
+    assert all(p.grad is None or p.grad.abs().sum() == 0 for n, p in model.named_parameters() if ".indexer." in n)
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.named_parameters() if ".wkv_b." in n)
