@@ -53,6 +53,7 @@ class Recipe:
         Stage("sparse-8k", 30, 2048, 8192, True, 5e-4, warmup=6),
         Stage("sparse-32k", 40, 8192, 32768, True, 5e-4, warmup=6, topk_only=True),
         Stage("sparse-36k", 24, 16384, 36864, True, 3e-4, warmup=4, topk_only=True),
+        Stage("sparse-40k", 30, 24576, 40960, True, 2e-4, warmup=4, topk_only=True),
     ))
     tokens_per_batch: int = 3072       # sequences of one length per batch, as many as fit
     answer_weight: float = 2.0         # the answer's mean CE is added to the all-token mean CE with this weight
