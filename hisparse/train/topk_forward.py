@@ -29,7 +29,7 @@ from .forward import queries_and_latents
 @dataclass
 class Candidates:
     """One indexer owner's keys per query, as rows of the flattened [B T] batch."""
-    rows: torch.Tensor          # [B T, k + recent] row index into [B T] (0 where unused)
+    rows: torch.Tensor          # [B T, k + recent] row index into [B T] (own sequence start where unused)
     selected: torch.Tensor      # [B T, k + recent] bool: in Sel(t) (what attention reads)
     scored: torch.Tensor        # [B T, k + recent] bool: in C_t (what the indexer KL reads)
 
