@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..model.indexer import Indexer
 from ..model.ml4 import ML4, Block
 from ..model.rope import rope_cos_sin, rope_frequencies
 from .forward import queries_and_latents
@@ -98,7 +99,7 @@ def gather(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return x.index_select(0, rows.flatten()).view(*rows.shape, x.shape[-1])
 
 
-def candidates(indexer, qi: torch.Tensor, ki: torch.Tensor, wi: torch.Tensor, st: TopkBatchState) -> Candidates:
+def candidates(indexer: Indexer, qi: torch.Tensor, ki: torch.Tensor, wi: torch.Tensor, st: TopkBatchState) -> Candidates:
     """Sel(t) by the inference path (per sequence), then the `recent` newest keys not already in it."""
     B, T = st.B, st.T
     t = torch.arange(T, device=qi.device)
@@ -118,7 +119,7 @@ def candidates(indexer, qi: torch.Tensor, ki: torch.Tensor, wi: torch.Tensor, st
     return Candidates(rows, selected, scored)
 
 
-def indexer_kl(indexer, qi: torch.Tensor, ki: torch.Tensor, wi: torch.Tensor, cand: Candidates,
+def indexer_kl(indexer: Indexer, qi: torch.Tensor, ki: torch.Tensor, wi: torch.Tensor, cand: Candidates,
                target: torch.Tensor) -> torch.Tensor:
     """Mean over queries of KL(target || softmax of I over the scored candidates); I as spec §3.6."""
     dots = torch.einsum("nhd,nkd->nhk", qi, gather(ki, cand.rows)).relu()                    # [N, HI, K]
