@@ -24,7 +24,7 @@ def test_topk_forward_is_the_inference_math(seed: int, recent: int):
     tokens = torch.stack([random_tokens(T, model.cfg.vocab_size, seed),
                           random_tokens(T, model.cfg.vocab_size, seed + 1)])
     refs = [full_forward(model, tokens[b])[0] for b in range(2)]
-    logits, kl = topk_forward(model, tokens, model.cfg.index_topk, recent)
+    logits, kl = topk_forward(model, tokens, recent)
     assert torch.allclose(logits, torch.cat(refs), rtol=1e-9, atol=1e-9), (logits - torch.cat(refs)).abs().max()
     masked, _ = train_forward(model, tokens, model.cfg.index_topk)
     assert torch.allclose(logits, masked, rtol=1e-9, atol=1e-9)
@@ -46,7 +46,7 @@ def test_candidates_are_selection_plus_recent(seed: int, monkeypatch: pytest.Mon
         seen.append(real(*args))
         return seen[-1]
     monkeypatch.setattr(tf, "candidates", recording)
-    topk_forward(model, tokens, model.cfg.index_topk, W)
+    topk_forward(model, tokens, W)
     owners = model.cfg.index_owner_layers
     assert len(seen) == len(owners)
     for cand, layer in zip(seen, owners):
@@ -67,7 +67,7 @@ def test_candidates_are_selection_plus_recent(seed: int, monkeypatch: pytest.Mon
 def test_topk_indexer_loss_trains_only_the_indexers(seed: int):
     model = tiny_model(seed, dtype=torch.float32, sharp=False).train()
     tokens = random_tokens(30, model.cfg.vocab_size, seed)[None]
-    logits, kl = topk_forward(model, tokens, model.cfg.index_topk, 4)
+    logits, kl = topk_forward(model, tokens, 4)
     kl.backward(retain_graph=True)
     indexer = [p.grad for n, p in model.named_parameters() if ".indexer." in n]
     assert any(g is not None and g.abs().sum() > 0 for g in indexer)

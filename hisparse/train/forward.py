@@ -16,6 +16,7 @@ the indexer missed keeps pulling it up.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -43,24 +44,31 @@ class TrainBatchState:
 
 def train_forward(model: ML4, tokens: torch.Tensor, topk: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """tokens [B, T] -> (logits [B T, V], mean indexer KL over the owning layers)."""
+    B, T = tokens.shape
+    pos, cos, sin = sequence_rope(model, tokens)
+    causal = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()
+    st = TrainBatchState(B, T, pos, cos, sin, causal, topk)
+    return layers_forward(model, tokens, st, attention_forward), torch.stack(st.index_losses).mean()
+
+
+def sequence_rope(model: ML4, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """tokens [B, T] -> positions [B T] (0..T-1 per sequence) and their RoPE cos, sin [B T, dR/2]."""
     if model.cfg.lerope_per_layer:
         raise ValueError("lerope.per_layer: training supports the global LeRoPE only")
     B, T = tokens.shape
-    dev = tokens.device
-    pos = torch.arange(T, device=dev).repeat(B)
-    cos, sin = rope_cos_sin(rope_frequencies(model.cfg, model.lerope.alpha), pos, model.dtype)
-    causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
-    st = TrainBatchState(B, T, pos, cos, sin, causal, topk)
+    pos = torch.arange(T, device=tokens.device).repeat(B)
+    return pos, *rope_cos_sin(rope_frequencies(model.cfg, model.lerope.alpha), pos, model.dtype)
+
+
+def layers_forward(model: ML4, tokens: torch.Tensor, st, attention: Callable) -> torch.Tensor:
+    """Embeddings, every block (its attention by `attention(block, x, st)`, then its FFN) and the head:
+    tokens [B, T] -> logits [B T, V]."""
     h = model.tok_embeddings(tokens).flatten(0, 1)                                    # [B T, D]
     for block in model.layers:
-        h = block_forward(block, h, st)
-    return model.head(h), torch.stack(st.index_losses).mean()
-
-
-def block_forward(block: Block, h: torch.Tensor, st: TrainBatchState) -> torch.Tensor:
-    h = h + attention_forward(block, block.attention_norm(h), st)
-    ffn = block.feed_forward if block.spec.ffn == "dense" else block.moe
-    return h + ffn(block.ffn_norm(h))
+        h = h + attention(block, block.attention_norm(h), st)
+        ffn = block.feed_forward if block.spec.ffn == "dense" else block.moe
+        h = h + ffn(block.ffn_norm(h))
+    return model.head(h)
 
 
 def queries_and_latents(block: Block, x: torch.Tensor, st) -> tuple[torch.Tensor, torch.Tensor | None]:

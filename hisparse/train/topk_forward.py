@@ -23,8 +23,7 @@ import torch
 
 from ..model.indexer import Indexer
 from ..model.ml4 import ML4, Block
-from ..model.rope import rope_cos_sin, rope_frequencies
-from .forward import queries_and_latents
+from .forward import layers_forward, queries_and_latents, sequence_rope
 
 
 @dataclass
@@ -40,7 +39,6 @@ class TopkBatchState:
     """What the layers of one top-k-only forward share."""
     B: int
     T: int
-    topk: int
     recent: int
     positions: torch.Tensor                 # [B T]
     cos: torch.Tensor                       # [B T, dR/2]
@@ -50,21 +48,12 @@ class TopkBatchState:
     index_losses: list[torch.Tensor] = field(default_factory=list)
 
 
-def topk_forward(model: ML4, tokens: torch.Tensor, topk: int, recent: int = 64
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """tokens [B, T] -> (logits [B T, V], mean indexer KL over the owning layers); attention over Sel(t) only."""
-    if model.cfg.lerope_per_layer:
-        raise ValueError("lerope.per_layer: training supports the global LeRoPE only")
+def topk_forward(model: ML4, tokens: torch.Tensor, recent: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """tokens [B, T] -> (logits [B T, V], mean indexer KL over the owning layers); attention over Sel(t) only
+    (each indexer's own top-k, as at inference)."""
     B, T = tokens.shape
-    pos = torch.arange(T, device=tokens.device).repeat(B)
-    cos, sin = rope_cos_sin(rope_frequencies(model.cfg, model.lerope.alpha), pos, model.dtype)
-    st = TopkBatchState(B, T, topk, recent, pos, cos, sin)
-    h = model.tok_embeddings(tokens).flatten(0, 1)                                    # [B T, D]
-    for block in model.layers:
-        h = h + attention_forward(block, block.attention_norm(h), st)
-        ffn = block.feed_forward if block.spec.ffn == "dense" else block.moe
-        h = h + ffn(block.ffn_norm(h))
-    return model.head(h), torch.stack(st.index_losses).mean()
+    st = TopkBatchState(B, T, recent, *sequence_rope(model, tokens))
+    return layers_forward(model, tokens, st, attention_forward), torch.stack(st.index_losses).mean()
 
 
 def attention_forward(block: Block, x: torch.Tensor, st: TopkBatchState) -> torch.Tensor:   # x [B T, D]
@@ -99,7 +88,8 @@ def gather(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return x.index_select(0, rows.flatten()).view(*rows.shape, x.shape[-1])
 
 
-def candidates(indexer: Indexer, qi: torch.Tensor, ki: torch.Tensor, wi: torch.Tensor, st: TopkBatchState) -> Candidates:
+def candidates(indexer: Indexer, qi: torch.Tensor, ki: torch.Tensor, wi: torch.Tensor, st: TopkBatchState
+               ) -> Candidates:
     """Sel(t) by the inference path (per sequence), then the `recent` newest keys not already in it."""
     B, T = st.B, st.T
     t = torch.arange(T, device=qi.device)
@@ -113,7 +103,7 @@ def candidates(indexer: Indexer, qi: torch.Tensor, ki: torch.Tensor, wi: torch.T
         fresh = (near >= 0) & (padded.gather(1, at) != near)
         keys = torch.cat((sel, near), dim=1)                                                     # [B T, K]
         selected = torch.cat((sel >= 0, torch.zeros_like(fresh)), dim=1)
-        scored = selected | torch.cat((torch.zeros_like(sel, dtype=torch.bool), fresh), dim=1)
+        scored = torch.cat((sel >= 0, fresh), dim=1)
         offset = (torch.arange(B * T, device=qi.device) // T * T)[:, None]
         rows = keys.clamp(min=0) + offset
     return Candidates(rows, selected, scored)

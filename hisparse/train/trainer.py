@@ -131,7 +131,7 @@ def train(out: Path, recipe: Recipe = Recipe(), threads: int = 1, resume: bool =
                 group["lr"] = lr_at(step, stage.steps, stage, recipe.warmup)
             tokens, ans, valid = data.batch(stage, recipe.tokens_per_batch)
             if stage.topk_only:
-                logits, index_kl = topk_forward(model, tokens[:, :-1], cfg.index_topk, recipe.kl_recent_keys)
+                logits, index_kl = topk_forward(model, tokens[:, :-1], recipe.kl_recent_keys)
             else:
                 logits, index_kl = train_forward(model, tokens[:, :-1], cfg.index_topk if stage.sparse else None)
             ce = F.cross_entropy(logits, tokens[:, 1:].flatten(), reduction="none").view(ans.shape)
