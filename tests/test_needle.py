@@ -90,6 +90,28 @@ def test_hisparse_on_equals_off(servers: dict[str, str], tmp_path: Path) -> None
     assert w > 3 * h > 300   # three panels side by side
 
 
+def test_resume_keeps_finished_records(servers: dict[str, str], tmp_path: Path) -> None:
+    """A stopped run (its journal cut to one record) continues with --resume and more seeds: the journal's record
+    is kept as it was (not asked again), the rest are asked, and needle.json and the journal hold all of them."""
+    out = tmp_path / "resume"
+    args = ["--base-url", f"{servers['hisparse']}/v1", "--compare-base-url", f"{servers['none']}/v1",
+            "--lengths", "1k", "--depths", "0,100", "--max-tokens", "4", "--tokenizer", str(builtin_tiny()),
+            "--out", str(out)]
+    run_needle([*args, "--seeds", "1"])
+    journal = out / "records.jsonl"
+    first = [json.loads(line) for line in journal.read_text().splitlines()]
+    assert len(first) == 2 and all(r["seed"] == 0 for r in first)
+    journal.write_text(json.dumps(first[1]) + "\n")            # stopped after one record
+    run_needle([*args, "--seeds", "2", "--resume"])
+    result = json.loads((out / "needle.json").read_text())
+    assert result["summary"]["resumed"] == 1 and result["summary"]["records"] == 4
+    kept = [r for r in result["records"] if (r["seed"], r["depth"]) == (first[1]["seed"], first[1]["depth"])]
+    assert kept == [first[1]]                                   # same latencies: not asked again
+    assert sorted((r["seed"], r["depth"]) for r in result["records"]) == [(0, 0.0), (0, 1.0), (1, 0.0), (1, 1.0)]
+    assert len(journal.read_text().splitlines()) == 4
+    assert all(r["identical"] for r in result["records"])
+
+
 def test_server_usage_counts(servers: dict[str, str], tmp_path: Path) -> None:
     """Without a tokenizer the harness counts with the server's usage (completions API): lengths land within a
     few tokens of the target."""

@@ -4,7 +4,8 @@
         --depths 0,25,50,75,100 [--compare-base-url URL] [--seeds 3] [--tokenizer CKPT_DIR] [--out DIR]
 
 Writes DIR/needle.json (every request and the per-cell table) and DIR/needle.png (depth x length heatmaps),
-shows a progress bar, and prints one summary line.
+shows a progress bar, and prints one summary line. DIR/records.jsonl gets each record as it finishes, so a
+stopped run continues with --resume.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--concurrency", type=int, default=1, help="requests in flight per endpoint")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per request")
     ap.add_argument("--out", default="results/needle", help="output folder")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the records OUT/records.jsonl already holds (a stopped run) and ask only the rest")
     return ap
 
 
@@ -76,12 +79,13 @@ def main(argv: list[str] | None = None) -> dict:
         builders: dict[int, PromptBuilder] = {}
         builder_for = lambda seed: builders.setdefault(   # noqa: E731
             seed, PromptBuilder(SyntheticHaystack(seed), counter, args.api))
-    t0 = time.perf_counter()
-    records = run_grid(builder_for, endpoints, grid, depths, args.seeds, args.max_tokens, args.concurrency)
-    summary = summarize(records, names, time.perf_counter() - t0)
-    cells = cell_table(records, names)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    records, resumed = run_grid(builder_for, endpoints, grid, depths, args.seeds, args.max_tokens,
+                                args.concurrency, out / "records.jsonl", args.resume)
+    summary = summarize(records, names, time.perf_counter() - t0)
+    summary["resumed"] = resumed
+    cells = cell_table(records, names)
     result = {
         "benchmark": "needle", "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["python -m benchmarks.needle", *(argv if argv is not None else sys.argv[1:])]),

@@ -7,12 +7,15 @@ an exact match of the needle's value as a whole number in the completion.
 
 from __future__ import annotations
 
+import json
 import random
 import re
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import openai
 from tqdm import tqdm
@@ -147,29 +150,70 @@ def resolve_lengths(lengths: list[tuple[str, int | None]], limit: int | None, ma
     return out
 
 
+Journal = dict[tuple[str, int, float, int], "Record"]
+
+
+def read_journal(path: Path) -> Journal:
+    """Finished records of an earlier run (one JSON line each, as run_grid appends them), keyed by cell + seed."""
+    out: Journal = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            d = json.loads(line)
+            d.pop("identical", None)
+            d["answers"] = {k: Answer(**a) for k, a in d["answers"].items()}
+            r = Record(**d)
+            out[(r.length, r.target, r.depth, r.seed)] = r
+    return out
+
+
 def run_grid(builder_for: Callable[[int], PromptBuilder], endpoints: list[Endpoint],
-             lengths: list[tuple[str, int]], depths: list[float], seeds: int, max_tokens: int, concurrency: int) -> list[Record]:
+             lengths: list[tuple[str, int]], depths: list[float], seeds: int, max_tokens: int, concurrency: int,
+             journal: Path, resume: bool = False) -> tuple[list[Record], int]:
     """Build every prompt (seed s from builder_for(s): one shared haystack, or a fresh one per seed), then send
-    each to every endpoint (`concurrency` requests in flight per endpoint)."""
-    cells = [(label, n, d, s) for label, n in lengths for d in depths for s in range(seeds)]
-    records, prompts = [], []
+    each to every endpoint (`concurrency` requests in flight per endpoint).
+
+    Seeds go in the outer loop, so a run stopped part way has every cell about equally sampled. Each finished
+    record is appended to `journal` (JSON lines); with resume, records already there (same cell, seed, passkey
+    and haystack, answered by every endpoint) are kept instead of asked again. Returns (records, resumed)."""
+    done = read_journal(journal) if resume else {}
+    cells = [(label, n, d, s) for s in range(seeds) for label, n in lengths for d in depths]
+    records, prompts, resumed = [], [], 0
     for label, n, d, s in tqdm(cells, desc="building prompts", unit="prompt", leave=False):
         p = builder_for(s).build(n, d, needle_value(s, n, d))
+        rec = Record(label, n, p.tokens, d, p.needle_depth, s, p.value, p.haystack_digest)
+        old = done.get((label, n, d, s))
+        if old is not None and (old.value, old.haystack_digest) == (rec.value, rec.haystack_digest) and \
+                all(ep.name in old.answers for ep in endpoints):
+            rec, p = old, None
+            resumed += 1
+        records.append(rec)
         prompts.append(p)
-        records.append(Record(label, n, p.tokens, d, p.needle_depth, s, p.value, p.haystack_digest))
+    journal.parent.mkdir(parents=True, exist_ok=True)
+    journal.write_text("".join(json.dumps(record_json(r)) + "\n" for r, p in zip(records, prompts) if p is None))
+    todo = [(r, p) for r, p in zip(records, prompts) if p is not None]
     pools = {ep.name: ThreadPoolExecutor(concurrency) for ep in endpoints}
-    with tqdm(total=len(records) * len(endpoints), desc="needle", unit="req") as bar:
+    lock = threading.Lock()
+
+    def finished(rec: Record, name: str, answer: Answer) -> None:
+        with lock:
+            rec.answers[name] = answer
+            bar.update()
+            if len(rec.answers) == len(endpoints):
+                with journal.open("a") as f:
+                    f.write(json.dumps(record_json(rec)) + "\n")
+
+    with tqdm(total=len(todo) * len(endpoints), desc="needle", unit="req") as bar:
         futures = []
-        for rec, p in zip(records, prompts):
+        for rec, p in todo:
             for ep in endpoints:
                 fut = pools[ep.name].submit(ask, ep, p, max_tokens)
-                fut.add_done_callback(lambda _: bar.update())
-                futures.append((rec, ep.name, fut))
-        for rec, name, fut in futures:
-            rec.answers[name] = fut.result()
+                fut.add_done_callback(lambda f, rec=rec, name=ep.name: finished(rec, name, f.result()))
+                futures.append(fut)
+        for fut in futures:
+            fut.result()
     for pool in pools.values():
         pool.shutdown()
-    return records
+    return records, resumed
 
 
 def rate(hits: int, n: int) -> dict:

@@ -29,14 +29,26 @@ namespace {
 
 constexpr int64_t TILE_ROWS = 256;   // query rows that scan one cached block of keys in turn
 
+// SIMD width in bytes: a zmm register where the CPU has AVX-512 (twice the keys per instruction), else a ymm one.
+// Lanes never mix, so the width changes speed only, never a score.
+#ifndef VEC_BYTES
+#ifdef __AVX512F__
+#define VEC_BYTES 64
+#else
+#define VEC_BYTES 32
+#endif
+#endif
+
 template <typename T>
 struct Indexer {
-    typedef T vec __attribute__((vector_size(32)));
+    typedef T vec __attribute__((vector_size(VEC_BYTES)));
     typedef decltype(vec{} > vec{}) mask;
-    static constexpr int L = 32 / sizeof(T);
+    static constexpr int L = VEC_BYTES / sizeof(T);
 
     static bool any(mask m) {
-#ifdef __AVX__
+#if defined(__AVX512F__) && VEC_BYTES == 64
+        return _mm512_test_epi32_mask((__m512i)m, (__m512i)m) != 0;
+#elif defined(__AVX__) && VEC_BYTES == 32
         return !_mm256_testz_si256((__m256i)m, (__m256i)m);
 #else
         for (int i = 0; i < L; ++i)
@@ -45,8 +57,11 @@ struct Indexer {
 #endif
     }
 
-    static unsigned bits(mask m) {   // lane l set -> bit l
-#ifdef __AVX__
+    static unsigned bits(mask m) {   // lane l set -> bit l (a true lane is all ones: negative as an integer)
+#if defined(__AVX512F__) && VEC_BYTES == 64
+        if constexpr (sizeof(T) == 4) return _mm512_cmplt_epi32_mask((__m512i)m, _mm512_setzero_si512());
+        else return _mm512_cmplt_epi64_mask((__m512i)m, _mm512_setzero_si512());
+#elif defined(__AVX__) && VEC_BYTES == 32
         if constexpr (sizeof(T) == 4) return _mm256_movemask_ps((__m256)m);
         else return _mm256_movemask_pd((__m256d)m);
 #else

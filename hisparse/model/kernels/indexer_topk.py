@@ -37,14 +37,14 @@ def _cpu_id() -> str:
         return platform.processor() + platform.machine()
 
 
-def _build(cxx: str, out: Path) -> None:
+def _build(cxx: str, out: Path, defines: list[str]) -> None:
     """Compile SOURCE to `out` (atomically: concurrent first uses each write a temp file and rename it)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
         for extra in (OPENMP, []):   # without OpenMP the kernel still runs, on one thread
-            proc = subprocess.run([cxx, *FLAGS, *extra, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+            proc = subprocess.run([cxx, *FLAGS, *defines, *extra, str(SOURCE), "-o", tmp], capture_output=True, text=True)
             if proc.returncode == 0:
                 os.replace(tmp, out)
                 return
@@ -55,19 +55,26 @@ def _build(cxx: str, out: Path) -> None:
 
 
 @cache
-def library() -> ctypes.CDLL | None:
-    """The loaded kernel library, built on first call; None (with one warning) when it cannot be built."""
+def library(vec_bytes: int | None = None) -> ctypes.CDLL | None:
+    """The loaded kernel library, built on first call; None (with one warning) when it cannot be built.
+
+    vec_bytes: the SIMD width (32 or 64); None = the widest the CPU has (64 with AVX-512). Selections are the
+    same at every width; benchmarks/indexer/select.py times them against each other."""
+    if vec_bytes not in (None, 32, 64):
+        raise ValueError(f"vec_bytes must be None, 32 or 64, not {vec_bytes}")
+    defines = [] if vec_bytes is None else [f"-DVEC_BYTES={vec_bytes}"]
     cxx = shutil.which(os.environ.get("CXX", "g++"))
     if cxx is None:
         warnings.warn("no C++ compiler (set CXX): the indexer uses the slower torch top-k path")
         return None
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, *OPENMP, version, _cpu_id()]).encode()).hexdigest()
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, *defines, *OPENMP, version, _cpu_id()]).encode()
+                         ).hexdigest()
     root = Path(os.environ.get("HISPARSE_CACHE", Path.home() / ".cache" / "hisparse")) / "kernels"
     path = root / f"indexer_topk-{key[:16]}.so"
     try:
         if not path.exists():
-            _build(cxx, path)
+            _build(cxx, path, defines)
         lib = ctypes.CDLL(str(path))
     except (OSError, RuntimeError) as e:
         warnings.warn(f"indexer kernel unavailable ({e}); using the slower torch top-k path")
@@ -91,15 +98,15 @@ def supports(q: torch.Tensor, wr: torch.Tensor, keys: torch.Tensor) -> bool:
 
 
 def fused_topk(q: torch.Tensor, wr: torch.Tensor, keys: torch.Tensor, n_visible: torch.Tensor, k: int,
-               with_scores: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+               with_scores: bool = False, vec_bytes: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Exact top-k of index_scores over the first n_visible[t] keys of each row, never materialising [T, S].
 
     q [T, HI, dI], wr [T, HI] (scaled head weights), keys [S, dI] in position order, n_visible [T] (0..S) ->
     cols [T, min(k, S)]: the selected key indices, ascending, -1 padded (score descending, ties to the lower
     index), and with_scores: their scores [T, min(k, S)], -inf padded. For a prefix cache (key s at position s,
-    n_visible = p + 1) cols equals select_topk(index_scores(...), k).
+    n_visible = p + 1) cols equals select_topk(index_scores(...), k). vec_bytes: see `library`.
     """
-    lib = library()
+    lib = library(vec_bytes)
     if lib is None or not supports(q, wr, keys):
         raise RuntimeError("fused_topk needs the built kernel and CPU fp32/fp64 inputs of one dtype")
     T, HI, dI = q.shape
