@@ -1,8 +1,8 @@
 """The fused CPU indexer top-k (hisparse/model/kernels) against the torch path, and the torch path against a
 plain sort (spec §3.6: score descending, ties by position ascending).
 
-The kernel must give exactly the torch path's selections (and scores), including exact ties (integer-valued
-inputs, ReLU zeros, duplicated keys), rows that see fewer than k keys, -1 padding, fp32 and fp64. A model built
+The kernel must give exactly the torch path's selections (and scores), in every build (SIMD width, FMA filter on
+or off), including exact ties (integer-valued inputs, ReLU zeros, duplicated keys), near ties (keys ulps apart), rows that see fewer than k keys, -1 padding, fp32 and fp64. A model built
 on either path must produce bit-identical logits.
 """
 
@@ -15,7 +15,7 @@ from conftest import full_forward, random_tokens, tiny_model
 from hisparse.model import indexer as indexer_module
 from hisparse.model.batch import ForwardTrace, Segment
 from hisparse.model.indexer import index_scores, select_topk
-from hisparse.model.kernels.indexer_topk import fused_topk
+from hisparse.model.kernels.indexer_topk import Build, fused_topk
 from hisparse.model.kv import ResidentKV
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -24,7 +24,8 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 def random_case(g: torch.Generator, dtype: torch.dtype, kind: str, T: int, S: int, HI: int, dI: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """q [T, HI, dI], wr [T, HI], keys [S, dI], n_visible [T]. kind: 'normal', 'ties' (small integers: many
-    exact ties and ReLU zeros, some zero or all-negative head weights) or 'dup' (repeated keys)."""
+    exact ties and ReLU zeros, some zero or all-negative head weights), 'dup' (repeated keys) or 'near' (keys a few
+    ulps apart, positive head weights)."""
     q = torch.randn(T, HI, dI, generator=g, dtype=dtype)
     keys = torch.randn(S, dI, generator=g, dtype=dtype)
     wr = torch.randn(T, HI, generator=g, dtype=dtype)
@@ -34,6 +35,10 @@ def random_case(g: torch.Generator, dtype: torch.dtype, kind: str, T: int, S: in
         wr[: T // 3] = -wr[: T // 3].abs()                          # rows whose scores are all <= 0
     elif kind == "dup":
         keys = keys[torch.randint(0, max(1, S // 4), (S,), generator=g)]
+    elif kind == "near":   # near-duplicate keys: scores a few ulps apart, where an FMA sum and the exact one disagree
+        keys = keys[torch.randint(0, max(1, S // 4), (S,), generator=g)]
+        keys = keys * (1 + torch.randint(-2, 3, keys.shape, generator=g, dtype=dtype) * torch.finfo(dtype).eps)
+        wr = wr.abs()
     n_visible = torch.randint(0, S + 1, (T,), generator=g)
     n_visible[0] = S
     return q, wr, keys, n_visible
@@ -48,16 +53,18 @@ def torch_topk(q: torch.Tensor, wr: torch.Tensor, keys: torch.Tensor, n_visible:
     return cols, picked
 
 
+@pytest.mark.parametrize("build", [Build(), Build(vec_bytes=32), Build(filter=False)],
+                         ids=["default", "256bit", "unfiltered"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("kind", ["normal", "ties", "dup"])
-def test_fused_equals_torch_path(seed: int, dtype: torch.dtype, kind: str) -> None:
+@pytest.mark.parametrize("kind", ["normal", "ties", "dup", "near"])
+def test_fused_equals_torch_path(seed: int, dtype: torch.dtype, kind: str, build: Build) -> None:
     g = torch.Generator().manual_seed(seed)
     for _ in range(12):
         T, S = int(torch.randint(1, 40, (1,), generator=g)), int(torch.randint(1, 1500, (1,), generator=g))
         HI, dI = int(torch.randint(1, 6, (1,), generator=g)), int(torch.randint(1, 24, (1,), generator=g))
         k = int(torch.randint(1, 48, (1,), generator=g))
         q, wr, keys, n_visible = random_case(g, dtype, kind, T, S, HI, dI)
-        cols, scores = fused_topk(q, wr, keys, n_visible, k, with_scores=True)
+        cols, scores = fused_topk(q, wr, keys, n_visible, k, with_scores=True, build=build)
         want_cols, want_scores = torch_topk(q, wr, keys, n_visible, k)
         case = f"T={T} S={S} HI={HI} dI={dI} k={k}"
         assert torch.equal(cols, want_cols), case

@@ -1,8 +1,11 @@
-"""Indexer top-k selection time per prefill chunk vs context S: fused CPU kernel vs the torch path.
+"""Indexer top-k selection time per prefill chunk vs context S: fused CPU kernel vs the torch path, and the
+kernel's default build (widest SIMD lanes: 512-bit with AVX-512; FMA filter) vs builds without them.
 
-Inputs are real: layer 0's indexer of the random tiny model (max_position_embeddings 2^21) projects random
-tokens, so queries, keys and head weights have the model's distributions (keys LayerNormed and rotated, SSMax on
-queries). A chunk is the last --chunk queries of an S-token context, scored against all S keys.
+Inputs are real: a layer's indexer projects a prompt, so queries, keys and head weights have the model's
+distributions (keys LayerNormed and rotated, SSMax on queries). Default: layer 0 of the random tiny model
+(max_position_embeddings 2^21) on random tokens; --model CKPT: a checkpoint (e.g. the trained
+checkpoints/needle-ml4) on the synthetic needle haystack it was trained on. A chunk is the last --chunk queries
+of an S-token context, scored against all S keys. Every build must select exactly the same keys.
 
 The torch path (index_scores + select_topk) and the pre-kernel einsum formula (the seed's Indexer.scores, kept
 here only as a timing baseline) are timed on --sample rows and scaled to the chunk (their cost per row is
@@ -10,7 +13,7 @@ linear); the fused path is timed on the whole chunk and must select exactly what
 sampled rows. Wall seconds and process CPU seconds are both reported. Results -> JSON.
 
     python -m benchmarks.indexer.select [--contexts 65536,262144,1048576] [--chunk 4096] [--sample 32]
-                                        [--out benchmarks/indexer/results.json]
+                                        [--model CKPT] [--out benchmarks/indexer/results.json]
 """
 
 from __future__ import annotations
@@ -28,7 +31,20 @@ from hisparse.model.config import preset_params
 from hisparse.model.indexer import Indexer, index_scores, select_topk
 from hisparse.model.kernels import indexer_topk
 from hisparse.model.rope import rope_cos_sin, rope_frequencies
+from hisparse.model.ml4 import ML4
 from hisparse.model.tiny import random_model
+from hisparse.model.weights import load_model
+from hisparse.train.passkey import SyntheticHaystack
+
+from benchmarks.needle.harness import needle_value
+from benchmarks.needle.prompt import PromptBuilder
+from benchmarks.needle.tokens import LocalCounter
+
+
+BASELINES = {   # other builds of the kernel, timed against the default (widest lanes, FMA filter)
+    "256bit_unfiltered (the kernel before both)": indexer_topk.Build(vec_bytes=32, filter=False),
+    "unfiltered": indexer_topk.Build(filter=False),
+}
 
 
 def timed(fn) -> tuple[object, float, float]:
@@ -47,15 +63,26 @@ def einsum_select(ix: Indexer, q: torch.Tensor, w: torch.Tensor, keys: torch.Ten
     return select_topk(scores.masked_fill(s_idx[None, :] > pos[:, None], float("-inf")), ix.topk)
 
 
+def prompt_tokens(model_dir: str | None, n: int, seed: int) -> tuple[ML4, torch.Tensor, str]:
+    """(model, n prompt tokens, description): the random tiny model on random tokens, or a checkpoint on the
+    synthetic needle haystack (needle at 50%)."""
+    if model_dir is None:
+        params = preset_params("tiny")
+        params["max_position_embeddings"] = 1 << 21
+        model = random_model(params, seed)
+        tokens = torch.randint(0, model.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(seed))
+        return model, tokens, f"random tiny preset, random tokens, seed {seed}"
+    counter = LocalCounter(model_dir)
+    prompt = PromptBuilder(SyntheticHaystack(seed), counter, "completions").build(n, 0.5, needle_value(seed, n, 0.5))
+    ids = counter.encode("completions", prompt.content)
+    return load_model(model_dir), torch.tensor(ids), f"{model_dir}, synthetic needle haystack, seed {seed}"
+
+
 @torch.no_grad()
-def run(contexts: list[int], chunk: int, sample: int, seed: int = 0) -> list[dict]:
-    params = preset_params("tiny")
-    params["max_position_embeddings"] = 1 << 21
-    model = random_model(params, seed)
-    layer = model.layers[0]
+def run(model: ML4, tokens: torch.Tensor, contexts: list[int], chunk: int, sample: int) -> list[dict]:
+    layer = model.layers[0]   # layer 0: its input is the embedding, so no other layer need run
     ix = layer.attention.indexer
     S_max = max(contexts)
-    tokens = torch.randint(0, model.cfg.vocab_size, (S_max,), generator=torch.Generator().manual_seed(seed))
     positions = torch.arange(S_max)
     cos, sin = rope_cos_sin(rope_frequencies(model.cfg, model.lerope.alpha), positions, model.dtype)
     q, k, w = ix.project(layer.attention_norm(model.tok_embeddings(tokens)), positions, cos, sin)
@@ -65,6 +92,11 @@ def run(contexts: list[int], chunk: int, sample: int, seed: int = 0) -> list[dic
         qc, wc, pc, keys = q[sl], w[sl], positions[sl], k[:S]
         wr = ix.head_weights(wc)
         fused, f_wall, f_cpu = timed(lambda: indexer_topk.fused_topk(qc, wr, keys, pc + 1, ix.topk)[0])
+        builds = {}
+        for name, build in BASELINES.items():
+            cols, wall, cpu = timed(lambda: indexer_topk.fused_topk(qc, wr, keys, pc + 1, ix.topk, build=build)[0])
+            assert torch.equal(fused, cols), f"S={S}: the {name} build selects differently"
+            builds[name] = {"wall_s": wall, "cpu_s": cpu, "default_speedup_cpu": cpu / f_cpu}
         rows = torch.linspace(0, chunk - 1, sample).long()
         ref, t_wall, t_cpu = timed(lambda: select_topk(index_scores(qc[rows], wr[rows], keys, pc[rows]), ix.topk))
         assert torch.equal(fused[rows], ref), f"S={S}: fused and torch selections differ"
@@ -73,6 +105,7 @@ def run(contexts: list[int], chunk: int, sample: int, seed: int = 0) -> list[dic
         pairs = chunk * S - chunk * (chunk - 1) / 2
         res = {"context": S, "chunk": chunk, "pairs": pairs,
                "fused_wall_s": f_wall, "fused_cpu_s": f_cpu, "fused_ns_per_pair_cpu": f_cpu / pairs * 1e9,
+               "other_builds": builds,
                "torch_wall_s_projected": t_wall * scale, "torch_cpu_s_projected": t_cpu * scale,
                "einsum_seed_wall_s_projected": e_wall * scale, "einsum_seed_cpu_s_projected": e_cpu * scale,
                "speedup_vs_torch_cpu": t_cpu * scale / f_cpu, "speedup_vs_einsum_seed_cpu": e_cpu * scale / f_cpu}
@@ -87,15 +120,20 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=4096)
     ap.add_argument("--sample", type=int, default=32, help="rows timed on the torch paths (then scaled)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--model", default=None, help="checkpoint dir (default: the random tiny model)")
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="benchmarks/indexer/results.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     contexts = [int(c) for c in args.contexts.split(",")]
-    res = {"setup": {"model": "random tiny preset (HI=2, dI=16, k=8), layer 0 indexer, random tokens, seed 0",
+    model, tokens, what = prompt_tokens(args.model, max(contexts), args.seed)
+    c = model.cfg
+    res = {"setup": {"model": f"{what}; layer 0 indexer (HI={c.index_n_heads}, dI={c.index_head_dim}, "
+                              f"k={c.index_topk})", "simd_bits": 8 * indexer_topk.vec_bytes(),
                      "chunk": args.chunk, "sample_rows_torch": args.sample, "threads": args.threads,
                      "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
                      "load_average": list(os.getloadavg())},
-           "results": run(contexts, args.chunk, args.sample)}
+           "results": run(model, tokens, contexts, args.chunk, args.sample)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2))
     print(json.dumps(res, indent=2))

@@ -13,6 +13,7 @@
 // no positive head stops once its threshold reaches 0.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <new>
@@ -81,6 +82,17 @@ struct Indexer {
         T* score;            // [k]
         int64_t* pos;        // [k]
         bool done;
+        T slack_q, slack_abs;   // the filter's slack: slack_q * |k| + slack_abs (filter_slack)
+        int64_t n_pos;          // heads with w > 0
+        int64_t groups, bound_tried, bound_passed;   // filtered groups; those the positive-head bound was tried
+                                                     // on, and did not skip
+
+        // Whether to bound by the positive heads first: it costs n_pos heads per group and saves HI on the groups
+        // it skips, judged on the groups it was tried on; tried on every 8th group anyway, as the threshold rises.
+        // Speed only: every path selects the same keys.
+        bool bound_pays(int64_t HI) {
+            return groups++ % 8 == 0 || bound_tried < 8 || (bound_tried - bound_passed) * HI > bound_tried * n_pos;
+        }
     };
 
     int64_t HI, dI, k;
@@ -111,9 +123,36 @@ struct Indexer {
     static constexpr int U = 8;          // vectors per group: 8 independent sums in flight
     static constexpr int64_t G = U * L;  // keys per group
 
+    // a * b + c: one rounding (FMA) where the CPU has it, else two. Only the filter uses it (see scan).
+    static vec fma(vec a, T b, vec c) {
+#if defined(__AVX512F__) && VEC_BYTES == 64
+        if constexpr (sizeof(T) == 4) return (vec)_mm512_fmadd_ps((__m512)a, _mm512_set1_ps(b), (__m512)c);
+        else return (vec)_mm512_fmadd_pd((__m512d)a, _mm512_set1_pd(b), (__m512d)c);
+#elif defined(__FMA__) && VEC_BYTES == 32
+        if constexpr (sizeof(T) == 4) return (vec)_mm256_fmadd_ps((__m256)a, _mm256_set1_ps(b), (__m256)c);
+        else return (vec)_mm256_fmadd_pd((__m256d)a, _mm256_set1_pd(b), (__m256d)c);
+#else
+        return a * b + c;
+#endif
+    }
+
+    // Whether to filter (see scan): it pays with FMA, at half the cost of an exact score. -DFILTER=0 turns it off
+    // (for benchmarks).
+#ifndef FILTER
+#define FILTER 1
+#endif
+#if FILTER && ((defined(__AVX512F__) && VEC_BYTES == 64) || (defined(__FMA__) && VEC_BYTES == 32))
+    static constexpr bool filtered = true;
+#else
+    static constexpr bool filtered = false;
+#endif
+
     // s[u] = sum over heads hs[0..nh) (nh >= 1, in that order) of w[h] * relu(<q[h], keys>), for the G keys of
     // one group of the key block (kt [dI, G], 64-byte aligned). Heads go two at a time, sharing the key loads.
+    // Exact (the contract's rounding) unless Fast: then with FMA, within filter_slack of the exact sum.
+    template <bool Fast>
     void head_sum(const T* q, const T* w, const int64_t* hs, int64_t nh, const T* kt, vec* s) const {
+        auto mad = [](vec a, T b, vec c) { return Fast ? fma(a, b, c) : c + a * b; };
         int64_t i = 0;
         for (; i + 1 < nh; i += 2) {
             const T *qa = q + hs[i] * dI, *qb = q + hs[i + 1] * dI;
@@ -129,14 +168,14 @@ struct Indexer {
                     const T* row = kt + d * G + half * L;
                     for (int u = 0; u < U / 2; ++u) {
                         vec kv = *(const vec*)(row + u * L);
-                        a[u] = a[u] + kv * qa[d];
-                        b[u] = b[u] + kv * qb[d];
+                        a[u] = mad(kv, qa[d], a[u]);
+                        b[u] = mad(kv, qb[d], b[u]);
                     }
                 }
                 for (int u = 0; u < U / 2; ++u) {
-                    vec ta = (a[u] > T(0) ? a[u] : vec{}) * wa;
-                    s[half + u] = i == 0 ? ta : s[half + u] + ta;
-                    s[half + u] = s[half + u] + (b[u] > T(0) ? b[u] : vec{}) * wb;
+                    vec ra = a[u] > T(0) ? a[u] : vec{}, rb = b[u] > T(0) ? b[u] : vec{};
+                    s[half + u] = i == 0 ? ra * wa : mad(ra, wa, s[half + u]);
+                    s[half + u] = mad(rb, wb, s[half + u]);
                 }
             }
         }
@@ -146,35 +185,102 @@ struct Indexer {
             vec a[U];
             for (int u = 0; u < U; ++u) a[u] = *(const vec*)(kt + u * L) * qa[0];
             for (int64_t d = 1; d < dI; ++d)
-                for (int u = 0; u < U; ++u) a[u] = a[u] + *(const vec*)(kt + d * G + u * L) * qa[d];
+                for (int u = 0; u < U; ++u) a[u] = mad(*(const vec*)(kt + d * G + u * L), qa[d], a[u]);
             for (int u = 0; u < U; ++u) {
-                vec ta = (a[u] > T(0) ? a[u] : vec{}) * wa;
-                s[u] = i == 0 ? ta : s[u] + ta;
+                vec ra = a[u] > T(0) ? a[u] : vec{};
+                s[u] = i == 0 ? ra * wa : mad(ra, wa, s[u]);
             }
         }
     }
 
+    // The exact score (all heads, in order) of the L keys of one vector, kv = kt + u * L: heads four at a time, so
+    // four dot products are in flight.
+    vec exact_one(const T* q, const T* w, const T* kv) const {
+        vec s{};
+        for (int64_t h0 = 0; h0 < HI; h0 += 4) {
+            const int64_t nh = std::min<int64_t>(4, HI - h0);
+            vec a[4];
+            for (int64_t i = 0; i < nh; ++i) a[i] = *(const vec*)kv * q[(h0 + i) * dI];
+            for (int64_t d = 1; d < dI; ++d) {
+                vec k = *(const vec*)(kv + d * G);
+                for (int64_t i = 0; i < nh; ++i) a[i] = a[i] + k * q[(h0 + i) * dI + d];
+            }
+            for (int64_t i = 0; i < nh; ++i) {
+                vec r = a[i] > T(0) ? a[i] : vec{};
+                s = h0 + i == 0 ? r * w[0] : s + r * w[h0 + i];
+            }
+        }
+        return s;
+    }
+
+    // Offer the lanes of one vector of scores (keys c0 .. c0 + L - 1 of the block) that beat the threshold.
+    void offer(Row& r, vec s, int64_t c0, int64_t n_blk, int64_t base) const {
+        for (unsigned b = bits(s > r.thr); b; b &= b - 1) {
+            int64_t c = c0 + __builtin_ctz(b);
+            if (c < n_blk) push(r, s[c - c0], base + c);
+        }
+    }
+
     // Score keys [base, base + n_blk) of one row; kt: the block as groups of G keys, each transposed to [dI, G]
-    // and zero-padded. pos_heads: the row's n_pos heads with w > 0, in index order; all_heads: 0 .. HI-1.
-    void scan(Row& r, const int64_t* pos_heads, int64_t n_pos, const int64_t* all_heads, const T* kt,
-              int64_t base, int64_t n_blk) const {
+    // and zero-padded; kmax: an upper bound of the block's key norms. pos_heads: the row's n_pos heads with
+    // w > 0, in index order; all_heads: 0 .. HI-1.
+    //
+    // Once the heap is full, a group is first scored over the positive heads with FMA (half the work of the
+    // exact sum) and only vectors with a lane above thr - slack are scored exactly: the exact score is at most
+    // the positive heads' exact sum, which is within slack/2 of the FMA one (filter_slack), so a skipped key's
+    // exact score is <= thr and it could not have entered. Selections and scores stay exact.
+    void scan(Row& r, const int64_t* pos_heads, const int64_t* all_heads, const T* kt, int64_t base, int64_t n_blk,
+              T kmax) const {
+        const int64_t n_pos = r.n_pos;
+        const T slack = r.slack_q * kmax + r.slack_abs;
+        const bool filter = filtered && slack < std::numeric_limits<T>::infinity();   // not for inf / NaN inputs
         for (int64_t j = 0; j < n_blk; j += G) {
+            const T* g = kt + j * dI;
             vec s[U];
-            if (n_pos > 0) {   // bound: the positive heads alone (== the score when every head is positive)
-                head_sum(r.q, r.w, pos_heads, n_pos, kt + j * dI, s);
+            if (n_pos == 0) {
+                if (!(r.thr < T(0))) continue;   // every score is <= 0
+                head_sum<false>(r.q, r.w, all_heads, HI, g, s);
+            } else if (filter && r.count == k) {
+                const T lim = r.thr - slack;
+                if (n_pos < HI && r.bound_pays(HI)) {   // the positive heads' FMA sum bounds the score too
+                    head_sum<true>(r.q, r.w, pos_heads, n_pos, g, s);
+                    mask hit = s[0] > lim;
+                    for (int u = 1; u < U; ++u) hit |= s[u] > lim;
+                    ++r.bound_tried;
+                    if (!any(hit)) continue;
+                    ++r.bound_passed;
+                }
+                head_sum<true>(r.q, r.w, all_heads, HI, g, s);
+                for (int u = 0; u < U; ++u)
+                    if (any(s[u] > lim)) offer(r, exact_one(r.q, r.w, g + u * L), j + u * L, n_blk, base);
+                continue;
+            } else {   // bound: the positive heads alone (== the score when every head is positive)
+                head_sum<false>(r.q, r.w, pos_heads, n_pos, g, s);
                 mask hit = s[0] > r.thr;
                 for (int u = 1; u < U; ++u) hit |= s[u] > r.thr;
                 if (!any(hit)) continue;
-            } else if (!(r.thr < T(0))) {   // every score is <= 0
-                continue;
+                if (n_pos != HI) head_sum<false>(r.q, r.w, all_heads, HI, g, s);
             }
-            if (n_pos != HI) head_sum(r.q, r.w, all_heads, HI, kt + j * dI, s);
-            for (int u = 0; u < U; ++u)   // lanes above the threshold, in position order
-                for (unsigned b = bits(s[u] > r.thr); b; b &= b - 1) {
-                    int64_t c = j + u * L + __builtin_ctz(b);
-                    if (c < n_blk) push(r, s[u][c - j - u * L], base + c);
-                }
+            for (int u = 0; u < U; ++u) offer(r, s[u], j + u * L, n_blk, base);   // in position order
         }
+    }
+
+    // The filter's slack for one row: |FMA sum - exact sum| over any heads is at most
+    // sum_h |w_h| sum_d |q_hd k_d| (2 gamma_dI + 2 gamma_HI (1 + gamma_dI)) (Higham's dot-product bound, both
+    // ways of rounding), plus underflow; sum_d |q_hd k_d| <= |q_h| |k| (Cauchy-Schwarz). Twice that, with a
+    // rounded-up u, covers the rounding of the slack itself and of thr - slack: slack = slack_q |k| + slack_abs.
+    void filter_slack(Row& r) const {
+        const double u = std::numeric_limits<T>::epsilon();   // 2x the unit roundoff
+        double a = 0, wsum = 0;
+        for (int64_t h = 0; h < HI; ++h) {
+            double n2 = 0;
+            for (int64_t d = 0; d < dI; ++d) n2 += double(r.q[h * dI + d]) * double(r.q[h * dI + d]);
+            a += std::abs(double(r.w[h])) * std::sqrt(n2);
+            wsum += std::abs(double(r.w[h]));
+        }
+        const double dm = std::numeric_limits<T>::denorm_min();
+        r.slack_q = T(2 * (dI + HI + 2) * u * a * (1 + 1e-6));
+        r.slack_abs = T(2 * (wsum + 1) * (2 * dI + 2 * HI + 2) * dm) + std::numeric_limits<T>::denorm_min();
     }
 
     // The row's selected columns, ascending, and their scores; -1 / -inf padded to `width`.
@@ -226,6 +332,17 @@ struct Indexer {
         }
     }
 
+    // An upper bound of the norms of keys [b0, b0 + nb) (computed in double, rounded up).
+    T max_norm(const T* keys, int64_t b0, int64_t nb) const {
+        double m = 0;
+        for (int64_t j = b0; j < b0 + nb; ++j) {
+            double n2 = 0;
+            for (int64_t d = 0; d < dI; ++d) n2 += double(keys[j * dI + d]) * double(keys[j * dI + d]);
+            m = std::max(m, n2);
+        }
+        return T(std::sqrt(m) * (1 + 1e-6));
+    }
+
     // Rows `rows` of keys [S, dI]: per tile of rows, each block of keys is transposed once into an L1-sized buffer,
     // then scanned by every row of the tile that sees it.
     void run_rows(const T* q, const T* w, const T* keys, const int64_t* n_visible, int64_t width, int64_t* cols,
@@ -234,7 +351,7 @@ struct Indexer {
         std::vector<T> kt_buf(kb * dI + 64 / sizeof(T));   // 64-byte aligned: split loads halve the throughput
         T* kt = (T*)(((uintptr_t)kt_buf.data() + 63) & ~uintptr_t(63));
         std::vector<T> score(TILE_ROWS * k);
-        std::vector<int64_t> pos(TILE_ROWS * k), heads(TILE_ROWS * HI), n_pos(TILE_ROWS), all_heads(HI);
+        std::vector<int64_t> pos(TILE_ROWS * k), heads(TILE_ROWS * HI), all_heads(HI);
         for (int64_t h = 0; h < HI; ++h) all_heads[h] = h;
         std::vector<Row> tile(TILE_ROWS);
         for (size_t t0 = 0; t0 < rows.size(); t0 += TILE_ROWS) {
@@ -243,10 +360,10 @@ struct Indexer {
                 int64_t t = rows[t0 + i];
                 Row& r = tile[i];
                 r = Row{q + t * HI * dI, w + t * HI, n_visible[t], -std::numeric_limits<T>::infinity(), 0,
-                        &score[i * k], &pos[i * k], false};
-                n_pos[i] = 0;
+                        &score[i * k], &pos[i * k], false, T(0), T(0), 0, 0, 0, 0};
+                filter_slack(r);
                 for (int64_t h = 0; h < HI; ++h)
-                    if (r.w[h] > T(0)) heads[i * HI + n_pos[i]++] = h;
+                    if (r.w[h] > T(0)) heads[i * HI + r.n_pos++] = h;
                 n_max = std::max(n_max, r.n);
             }
             for (int64_t b0 = 0; b0 < n_max; b0 += kb) {
@@ -255,14 +372,15 @@ struct Indexer {
                     needed = !tile[i].done && tile[i].n > b0;
                 if (!needed) break;
                 transpose(keys, b0, std::min(kb, n_max - b0), kt);
+                const T kmax = max_norm(keys, b0, std::min(kb, n_max - b0));
                 for (int64_t i = 0; i < nt; ++i) {
                     Row& r = tile[i];
                     if (r.done || r.n <= b0) continue;
-                    if (n_pos[i] == 0 && r.thr >= T(0)) {   // every score is <= 0 <= thr: nothing can enter
+                    if (r.n_pos == 0 && r.thr >= T(0)) {   // every score is <= 0 <= thr: nothing can enter
                         r.done = true;
                         continue;
                     }
-                    scan(r, &heads[i * HI], n_pos[i], all_heads.data(), kt, b0, std::min(kb, r.n - b0));
+                    scan(r, &heads[i * HI], all_heads.data(), kt, b0, std::min(kb, r.n - b0), kmax);
                 }
             }
             for (int64_t i = 0; i < nt; ++i) {
@@ -312,6 +430,8 @@ int indexer_topk_f32(const float* q, const float* w, const float* keys, const in
                      int64_t HI, int64_t dI, int64_t S, int64_t k, int64_t* cols, float* scores, int n_threads) {
     return topk<float>(q, w, keys, n_visible, T, HI, dI, S, k, cols, scores, n_threads);
 }
+
+int indexer_vec_bytes() { return VEC_BYTES; }
 
 int indexer_topk_f64(const double* q, const double* w, const double* keys, const int64_t* n_visible, int64_t T,
                      int64_t HI, int64_t dI, int64_t S, int64_t k, int64_t* cols, double* scores, int n_threads) {

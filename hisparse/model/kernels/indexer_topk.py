@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import tempfile
 import warnings
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -54,15 +55,26 @@ def _build(cxx: str, out: Path, defines: list[str]) -> None:
             os.unlink(tmp)
 
 
-@cache
-def library(vec_bytes: int | None = None) -> ctypes.CDLL | None:
-    """The loaded kernel library, built on first call; None (with one warning) when it cannot be built.
+@dataclass(frozen=True)
+class Build:
+    """A build of the kernel. vec_bytes: SIMD width (32 or 64; None = the widest the CPU has, 64 with AVX-512);
+    filter: the FMA filter before exact scoring. Every build selects the same keys with the same scores; the
+    default is the fastest, the others are for benchmarks/indexer/select.py (32 bytes unfiltered = the kernel
+    before both)."""
+    vec_bytes: int | None = None
+    filter: bool = True
 
-    vec_bytes: the SIMD width (32 or 64); None = the widest the CPU has (64 with AVX-512). Selections are the
-    same at every width; benchmarks/indexer/select.py times them against each other."""
-    if vec_bytes not in (None, 32, 64):
-        raise ValueError(f"vec_bytes must be None, 32 or 64, not {vec_bytes}")
-    defines = [] if vec_bytes is None else [f"-DVEC_BYTES={vec_bytes}"]
+    def defines(self) -> list[str]:
+        if self.vec_bytes not in (None, 32, 64):
+            raise ValueError(f"vec_bytes must be None, 32 or 64, not {self.vec_bytes}")
+        return ([] if self.vec_bytes is None else [f"-DVEC_BYTES={self.vec_bytes}"]) + \
+            ([] if self.filter else ["-DFILTER=0"])
+
+
+@cache
+def library(build: Build = Build()) -> ctypes.CDLL | None:
+    """The loaded kernel library, built on first call; None (with one warning) when it cannot be built."""
+    defines = build.defines()
     cxx = shutil.which(os.environ.get("CXX", "g++"))
     if cxx is None:
         warnings.warn("no C++ compiler (set CXX): the indexer uses the slower torch top-k path")
@@ -86,6 +98,14 @@ def library(vec_bytes: int | None = None) -> ctypes.CDLL | None:
     return lib
 
 
+def vec_bytes() -> int:
+    """The SIMD width (bytes) of the default build: 64 where the CPU has AVX-512, else 32."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("the indexer kernel is not built")
+    return lib.indexer_vec_bytes()
+
+
 def available() -> bool:
     """Whether the kernel is built and loaded (builds it on first call)."""
     return library() is not None
@@ -98,15 +118,15 @@ def supports(q: torch.Tensor, wr: torch.Tensor, keys: torch.Tensor) -> bool:
 
 
 def fused_topk(q: torch.Tensor, wr: torch.Tensor, keys: torch.Tensor, n_visible: torch.Tensor, k: int,
-               with_scores: bool = False, vec_bytes: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+               with_scores: bool = False, build: Build = Build()) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Exact top-k of index_scores over the first n_visible[t] keys of each row, never materialising [T, S].
 
     q [T, HI, dI], wr [T, HI] (scaled head weights), keys [S, dI] in position order, n_visible [T] (0..S) ->
     cols [T, min(k, S)]: the selected key indices, ascending, -1 padded (score descending, ties to the lower
     index), and with_scores: their scores [T, min(k, S)], -inf padded. For a prefix cache (key s at position s,
-    n_visible = p + 1) cols equals select_topk(index_scores(...), k). vec_bytes: see `library`.
+    n_visible = p + 1) cols equals select_topk(index_scores(...), k). build: see `Build`.
     """
-    lib = library(vec_bytes)
+    lib = library(build)
     if lib is None or not supports(q, wr, keys):
         raise RuntimeError("fused_topk needs the built kernel and CPU fp32/fp64 inputs of one dtype")
     T, HI, dI = q.shape
