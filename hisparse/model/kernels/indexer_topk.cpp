@@ -10,7 +10,9 @@
 // to the lower position: the normative order). Heads with w <= 0 can only lower a score (their relu terms are
 // <= 0 and rounding is monotone), so the sum over the positive heads alone, in the same order, bounds it: a
 // group of keys whose bound is <= the threshold is skipped without computing the other heads, and a row with
-// no positive head stops once its threshold reaches 0.
+// no positive head stops once its threshold reaches 0. Once a row's heap is full, groups are first scored with
+// explicit FMA intrinsics (an approximation within a rigorous bound of the exact score, see scan), and only the
+// vectors that come within that bound of the threshold are scored exactly: selections and scores are unchanged.
 
 #include <algorithm>
 #include <cmath>
