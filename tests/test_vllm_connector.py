@@ -215,11 +215,12 @@ def server(ckpt, tmp_path_factory):
     assert srv.proc.returncode is not None
 
 
-def reference(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], KVStats]:
-    """hisparse's own greedy generation (HiSparseKV, same settings), one request at a time; summed counters."""
+def reference(model_dir: Path, prompts: list[list[int]], budgets: list[int]) -> tuple[list[list[int]], KVStats]:
+    """hisparse's own greedy generation (HiSparseKV, same settings; budgets: max_tokens per prompt), one request at a
+    time; summed counters."""
     model = load_model(model_dir)
     total, out = KVStats(), []
-    for p in prompts:
+    for p, max_tokens in zip(prompts, budgets):
         kv = build_kv(model.cfg, offload="hisparse", host_pool_gib=EXTRA["host_pool_gib"],
                       hot_buffer_tokens=EXTRA["hot_buffer_tokens"], resident_window=EXTRA["resident_window"])
         out.append(greedy_generate(model, kv, p, max_tokens).tokens)
@@ -236,10 +237,11 @@ def test_vllm_serve_greedy_equals_hisparse(server, ckpt, seed):
     rng = random.Random(seed)
     text = "The host pool keeps every latent row; the device keeps a few."
     ids = [[1] + rng.sample(range(1000, 131072), n) for n in (3, 37, 150)]   # 150 >> 16 hot slots + 8 + 4 sinks
+    budgets = [12, 12, 12, 96]   # the long one decodes for seconds: the gauges are sampled while it runs
     before = server.metrics()
     peak = {"host_pool_pages_used": 0.0, "live_requests": 0.0}
     with ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(server.complete, p, 12) for p in [text] + ids]
+        futures = [pool.submit(server.complete, p, n) for p, n in zip([text] + ids, budgets)]
         while not all(f.done() for f in futures):
             m = server.metrics()
             for k in peak:
@@ -250,7 +252,7 @@ def test_vllm_serve_greedy_equals_hisparse(server, ckpt, seed):
     text_ids = load_tokenizer(ckpt).instruct_tokenizer.tokenizer.encode(text, bos=True, eos=False)
     assert results[0]["prompt_token_ids"] == text_ids
     prompts = [text_ids] + ids
-    want, ref_stats = reference(ckpt, prompts, 12)
+    want, ref_stats = reference(ckpt, prompts, budgets)
     got = [r["token_ids"] for r in results]
     assert got == want
 
