@@ -29,8 +29,11 @@ def _model_dir(arg: str | None) -> Path:
     return Path(arg) if arg else builtin_tiny()
 
 
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
 def add_kv_args(p: argparse.ArgumentParser) -> None:
-    """Where the latent KV lives; shared by generate and serve."""
+    """Where the model and its latent KV live, and in what precision; shared by generate and serve."""
     p.add_argument("--kv-offload", choices=("hisparse", "none"), default="hisparse",
                    help="hisparse: latent rows in the host pool, hot working set on the device; none: all resident")
     p.add_argument("--kv-layout", choices=("fp8_ds_mla", "bf16"), default="fp8_ds_mla")
@@ -38,12 +41,15 @@ def add_kv_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hot-buffer-tokens", type=int, default=None, help="hot slots per request (default 2 x topk)")
     p.add_argument("--resident-window", type=int, default=None, help="newest tokens kept on the device")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
+                   help="compute dtype of the model and the device rows (float64: a slow exactness reference)")
 
 
 def kv_kwargs(args: argparse.Namespace) -> dict:
     """build_kv's keyword arguments from the KV flags."""
     return dict(offload=args.kv_offload, layout=args.kv_layout, device=args.device, host_pool_gib=args.host_pool_gib,
-                hot_buffer_tokens=args.hot_buffer_tokens, resident_window=args.resident_window)
+                hot_buffer_tokens=args.hot_buffer_tokens, resident_window=args.resident_window,
+                dtype=DTYPES[args.dtype])
 
 
 def make_kv(args: argparse.Namespace, cfg):
@@ -61,7 +67,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from .engine.generate import greedy_generate
     from .model.weights import load_model
     model_dir = _model_dir(args.model)
-    model = load_model(model_dir, device=args.device)
+    model = load_model(model_dir, device=args.device, dtype=DTYPES[args.dtype])
     tok = None
     if args.prompt_ids is not None:
         prompt = _ids(args.prompt_ids, model.cfg.vocab_size)
@@ -101,7 +107,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     from .engine.kv_factory import build_kv
     from .server.serve import serve
-    serve(args, _model_dir(args.model), partial(build_kv, **kv_kwargs(args)))   # picklable: DCP ranks build theirs
+    serve(args, _model_dir(args.model), DTYPES[args.dtype], partial(build_kv, **kv_kwargs(args)))   # picklable: DCP ranks build theirs
 
 
 def cmd_train_needle(args: argparse.Namespace) -> None:

@@ -58,27 +58,21 @@ def prompts(seed: int, n: int = 3) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(seed: int) -> tuple[list[list[int]], list[str]]:
-    """Three prompts and their single-rank greedy texts, in this process on the server's KV settings.
+    """Three prompts and their single-rank greedy texts, in this process on the server's KV settings, in fp64.
 
-    DCP combines per-rank partial attention by log-sum-exp, which equals one rank's softmax only up to fp32
-    reassociation, so a greedy step at a near-tie (the top two logits, or two indexer scores at the top-k boundary)
-    may go either way. The prompts are therefore the first well-conditioned ones of the seed's stream: those whose
-    greedy tokens with the model in fp64 equal fp32's (a perturbation of every op, larger than the combine's)."""
+    DCP combines per-rank partial attention by log-sum-exp, which equals one rank's softmax only up to
+    reassociation. In fp32 on the random built-in model (top-two logit gaps down to 1e-6) that is not enough for
+    equal greedy tokens: a 1-ulp change of a latent can flip the rounding of a stored fp8 element, and the jump
+    (measured: up to 8e-2 in a logit) can flip a near-tie; a run on CI did. So these servers compute in fp64
+    (`--dtype float64`), where reassociation moves a logit by ~1e-16 and flips an fp8 rounding with probability
+    ~1e-9 per run; the fp32 tolerance of the combine is checked in process by test_dcp."""
     torch.set_num_threads(1)
-    model = load_model(builtin_tiny())
-    wide = load_model(builtin_tiny()).to(torch.float64)
+    model = load_model(builtin_tiny(), dtype=torch.float64)
     text = load_tokenizer(builtin_tiny()).instruct_tokenizer.tokenizer
-    kv = lambda dtype: build_kv(model.cfg, host_pool_gib=POOL_GIB, hot_buffer_tokens=HOT, resident_window=WINDOW,
-                                dtype=dtype)
-    ps, texts = [], []
-    for p in prompts(seed, 12):
-        ids = greedy_generate(model, kv(torch.float32), p, TOKENS).tokens
-        if greedy_generate(wide, kv(torch.float64), p, TOKENS).tokens == ids:
-            ps.append(p)
-            texts.append(text.decode(ids))
-            if len(ps) == 3:
-                break
-    assert len(ps) == 3, f"only {len(ps)} of 12 prompts are well-conditioned"
+    ps = prompts(seed)
+    texts = [text.decode(greedy_generate(model, build_kv(model.cfg, host_pool_gib=POOL_GIB, hot_buffer_tokens=HOT,
+                                                         resident_window=WINDOW, dtype=torch.float64),
+                                         p, TOKENS).tokens) for p in ps]
     return ps, texts
 
 
@@ -101,7 +95,7 @@ def dcp_server(log: Path, *extra: str, healthy: bool = True) -> Iterator[tuple[S
     ckpt, port = builtin_tiny(), free_port()
     cmd = [sys.executable, "-m", "hisparse.cli", "serve", "--model", str(ckpt), "--port", str(port), "--api-key", KEY,
            "--max-model-len", str(MAX_MODEL_LEN), "--host-pool-gib", str(POOL_GIB), "--hot-buffer-tokens", str(HOT),
-           "--resident-window", str(WINDOW), "--device", "cpu", "--log-level", "warning",
+           "--resident-window", str(WINDOW), "--device", "cpu", "--dtype", "float64", "--log-level", "warning",
            "--dcp-timeout", str(TIMEOUT), *extra]
     url = f"http://127.0.0.1:{port}"
     with running(cmd, log, dict(os.environ, OMP_NUM_THREADS="1")) as proc:

@@ -74,7 +74,7 @@ def run_follower(group: DCPGroup, model: ML4, kv: LatentKV, interleave: int,
     return follower
 
 
-def follower_main(rank: int, cfg: DCPServeConfig, workdir: str, model_dir: Path, device: str,
+def follower_main(rank: int, cfg: DCPServeConfig, workdir: str, model_dir: Path, device: str, dtype: torch.dtype,
                   kv_factory: KVFactory, speculative: SpeculativeConfig | None) -> None:
     """Body of a spawned follower process (a traceback goes to error{rank}.txt for rank 0)."""
     die_with_parent()
@@ -82,7 +82,7 @@ def follower_main(rank: int, cfg: DCPServeConfig, workdir: str, model_dir: Path,
     with failure_report(workdir, rank):
         if device.startswith("cuda"):
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        model = load_model(model_dir, device=device)
+        model = load_model(model_dir, device=device, dtype=dtype)
         kv = kv_factory(model.cfg)
         (Path(workdir) / f"ready{rank}").touch()
         group = DCPGroup.init(rank, cfg.size, store_url(workdir), cfg.backend, cfg.timeout_s)
@@ -97,14 +97,15 @@ class DCPStartError(RuntimeError):
 class FollowerRanks:
     """Rank 0's handle on the follower processes it spawned: readiness, joining, diagnosis, clean-up."""
 
-    def __init__(self, cfg: DCPServeConfig, model_dir: Path, device: str, kv_factory: KVFactory,
+    def __init__(self, cfg: DCPServeConfig, model_dir: Path, device: str, dtype: torch.dtype, kv_factory: KVFactory,
                  speculative: SpeculativeConfig | None):
         self.cfg = cfg
         self._tmp = tempfile.TemporaryDirectory(prefix="hisparse-dcp-")
         self.workdir = Path(self._tmp.name)
         ctx = multiprocessing.get_context("spawn")
         self.procs = {r: ctx.Process(target=follower_main, name=f"dcp-rank{r}", daemon=True,
-                                     args=(r, cfg, str(self.workdir), model_dir, device, kv_factory, speculative))
+                                     args=(r, cfg, str(self.workdir), model_dir, device, dtype, kv_factory,
+                                           speculative))
                       for r in range(1, cfg.size)}
         for p in self.procs.values():
             p.start()

@@ -11,6 +11,8 @@ import logging
 import os
 from pathlib import Path
 
+import torch
+
 from ..dcp.context import DCPContext
 from ..dcp.group import DCPError, DCPGroup
 from ..dcp.kv import ShardedKV
@@ -79,18 +81,18 @@ def dcp_config(args: argparse.Namespace) -> DCPServeConfig | None:
     return cfg if cfg.size > 1 else None
 
 
-def serve(args: argparse.Namespace, model_dir: Path, kv_factory: KVFactory) -> None:
-    """Run the server until interrupted. `kv_factory(cfg)` builds the LatentKV from the CLI's KV flags (with
-    --dcp-size > 1 every rank calls it: it must be picklable)."""
+def serve(args: argparse.Namespace, model_dir: Path, dtype: torch.dtype, kv_factory: KVFactory) -> None:
+    """Run the server until interrupted. The model computes in `dtype`; `kv_factory(cfg)` builds the LatentKV from
+    the CLI's KV flags (with --dcp-size > 1 every rank calls it: it must be picklable)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     speculative = speculative_config(args.speculative_config, model_dir)
     dcp = dcp_config(args)
     followers = None
     if dcp is not None and "RANK" not in os.environ:      # under torchrun the ranks exist already
-        followers = FollowerRanks(dcp, model_dir, args.device, kv_factory, speculative)   # they load meanwhile
+        followers = FollowerRanks(dcp, model_dir, args.device, dtype, kv_factory, speculative)   # they load meanwhile
     engine = None
     try:
-        engine = _serve(args, model_dir, kv_factory, speculative, dcp, followers)
+        engine = _serve(args, model_dir, dtype, kv_factory, speculative, dcp, followers)
     except DCPStartError as e:
         raise SystemExit(f"hisparse serve: {e}") from None
     except DCPError as e:    # the start-up exchange failed
@@ -103,14 +105,15 @@ def serve(args: argparse.Namespace, model_dir: Path, kv_factory: KVFactory) -> N
         raise SystemExit(f"hisparse serve: stopped because the DCP group failed: {engine.fatal}")
 
 
-def _serve(args: argparse.Namespace, model_dir: Path, kv_factory: KVFactory, speculative: SpeculativeConfig | None,
+def _serve(args: argparse.Namespace, model_dir: Path, dtype: torch.dtype, kv_factory: KVFactory,
+           speculative: SpeculativeConfig | None,
            dcp: DCPServeConfig | None, followers: FollowerRanks | None) -> Engine | None:
     """Load, build and run until the HTTP server stops; the engine (None on a torchrun follower rank)."""
     import uvicorn
     group = None
     if dcp is not None and followers is None:     # torchrun: join first (this also picks the rank's GPU)
         group = DCPGroup.from_env(timeout_s=dcp.timeout_s)
-    model = load_model(model_dir, device=args.device)
+    model = load_model(model_dir, device=args.device, dtype=dtype)
     kv = kv_factory(model.cfg)
     if dcp is not None:
         group = group or followers.join()
