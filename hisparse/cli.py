@@ -107,7 +107,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     from .engine.kv_factory import build_kv
     from .server.serve import serve
-    serve(args, _model_dir(args.model), DTYPES[args.dtype], partial(build_kv, **kv_kwargs(args)))   # picklable: DCP ranks build theirs
+    kv_factory = partial(build_kv, **kv_kwargs(args))    # picklable: DCP ranks build theirs
+    serve(args, _model_dir(args.model), DTYPES[args.dtype], kv_factory)
 
 
 def cmd_train_needle(args: argparse.Namespace) -> None:

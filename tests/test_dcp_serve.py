@@ -151,6 +151,7 @@ def test_dcp_server_greedy_equals_single_rank(tmp_path: Path, reference, interle
     with dcp_server(tmp_path / "serve.log", *extra) as (server, proc):
         log = server.log.read_text()
         assert f"DCP: {size} ranks, interleave {interleave}" in log and len(follower_pids(server.log)) == size - 1
+        assert "(float64 on cpu)" in log
         pools = [int(n.replace(",", "")) for n in re.findall(r"DCP rank \d+ \(pid \d+\): host pool ([\d,]+) tokens",
                                                                log)]
         cap = int(re.search(r"KV cache \(host pool\) size: ([\d,]+) tokens", log)[1].replace(",", ""))

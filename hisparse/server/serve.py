@@ -106,8 +106,8 @@ def serve(args: argparse.Namespace, model_dir: Path, dtype: torch.dtype, kv_fact
 
 
 def _serve(args: argparse.Namespace, model_dir: Path, dtype: torch.dtype, kv_factory: KVFactory,
-           speculative: SpeculativeConfig | None,
-           dcp: DCPServeConfig | None, followers: FollowerRanks | None) -> Engine | None:
+           speculative: SpeculativeConfig | None, dcp: DCPServeConfig | None,
+           followers: FollowerRanks | None) -> Engine | None:
     """Load, build and run until the HTTP server stops; the engine (None on a torchrun follower rank)."""
     import uvicorn
     group = None
@@ -145,8 +145,8 @@ def _serve(args: argparse.Namespace, model_dir: Path, dtype: torch.dtype, kv_fac
         engine.diagnose = followers.diagnose if followers is not None else None
     for line in lines + (speculative_lines(speculative, model) if speculative else []):
         print(line, flush=True)
-    print(f"Serving model '{name}' from {model_dir} at http://{args.host}:{args.port}/v1 (Ctrl-C to stop)",
-          flush=True)
+    print(f"Serving model '{name}' ({str(model.dtype).removeprefix('torch.')} on {model.device}) from {model_dir} "
+          f"at http://{args.host}:{args.port}/v1 (Ctrl-C to stop)", flush=True)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            access_log=False,
                                            timeout_graceful_shutdown=None if dcp is None else dcp.timeout_s))
