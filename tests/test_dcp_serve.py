@@ -4,7 +4,8 @@ with HiSparse on and a hot buffer far below the context, driven by the official 
 Greedy completions (64 tokens, concurrent, servers in fp64) equal the single-rank tokens, with and without DSpark;
 /metrics shows every rank's pool; a follower killed or stopped mid-request fails the request with an error naming
 DCP and the rank, the server exits non-zero within the timeout and leaves no process behind; a follower that dies
-while loading ends `serve` with its error. In process: the followers' DSpark draft windows are bit-identical to rank 0's.
+while loading ends `serve` with its error. In process: the followers' DSpark draft windows are bit-identical to
+rank 0's.
 """
 
 from __future__ import annotations
