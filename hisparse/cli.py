@@ -173,7 +173,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train-needle", help="train the tiny passkey-retrieval ML4 on the CPU and evaluate it")
     p.add_argument("--out", default="checkpoints/needle-ml4", help="checkpoint dir to write")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1, help="torch threads (1: bit-reproducible for a seed)")
     p.add_argument("--resume", action="store_true", help="continue after the last stage checkpoint in --out")
     p.add_argument("--eval-only", action="store_true", help="skip training; evaluate the checkpoint in --out")
     p.add_argument("--eval-chars", default="1000,4000,8000", help="haystack lengths (characters = tokens)")

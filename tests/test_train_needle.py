@@ -77,9 +77,10 @@ def test_indexer_loss_trains_only_the_indexers(seed: int):
 
 def test_training_is_reproducible_and_writes_a_servable_checkpoint(tmp_path: Path):
     recipe = Recipe(seed=3, stages=(Stage("dense", 3, 16, 48, False, 1e-3), Stage("sparse", 2, 64, 160, True, 1e-3),
-                                    Stage("topk", 2, 96, 200, True, 1e-3, topk_only=True)),
+                                    Stage("topk", 2, 96, 200, True, 1e-3, topk_only=True, threads=2)),
                     tokens_per_batch=512, warmup=2, kl_recent_keys=8)
     a = train(tmp_path / "a", recipe)
+    assert torch.get_num_threads() == 1   # the 2-thread stage's count is not left behind
     b = train(tmp_path / "b", recipe)
     for (n, p), q in zip(a.named_parameters(), b.parameters()):
         assert torch.equal(p, q), n

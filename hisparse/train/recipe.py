@@ -41,6 +41,8 @@ class Stage:
     echoes: tuple[int, ...] = (0,)   # extra needle copies per sequence, drawn from these (see sample_prompt)
     warmup: int | None = None        # linear warm-up steps (None: the recipe's)
     topk_only: bool = False          # sparse via topk_forward: O(T k), indexer KL over Sel(t) + recent keys
+    threads: int = 1                 # torch threads: part of the recipe, because the thread count changes how
+                                     # torch splits reductions, hence the weights (the long stages ran on 2)
 
 
 @dataclass(frozen=True)
@@ -51,9 +53,9 @@ class Recipe:
         Stage("sparse-copy", 700, 48, 1024, True, 1.5e-3, (0, 1, 2)),
         Stage("sparse-long", 300, 256, 3072, True, 7e-4, (0, 0, 1)),
         Stage("sparse-8k", 30, 2048, 8192, True, 5e-4, warmup=6),
-        Stage("sparse-32k", 40, 8192, 32768, True, 5e-4, warmup=6, topk_only=True),
-        Stage("sparse-36k", 24, 16384, 36864, True, 3e-4, warmup=4, topk_only=True),
-        Stage("sparse-40k", 30, 24576, 40960, True, 2e-4, warmup=4, topk_only=True),
+        Stage("sparse-32k", 40, 8192, 32768, True, 5e-4, warmup=6, topk_only=True, threads=2),
+        Stage("sparse-36k", 24, 16384, 36864, True, 3e-4, warmup=4, topk_only=True, threads=2),
+        Stage("sparse-40k", 30, 24576, 40960, True, 2e-4, warmup=4, topk_only=True, threads=2),
     ))
     tokens_per_batch: int = 3072       # sequences of one length per batch, as many as fit
     answer_weight: float = 2.0         # the answer's mean CE is added to the all-token mean CE with this weight

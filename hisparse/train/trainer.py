@@ -1,8 +1,9 @@
 """`hisparse train-needle`: train the retrieval model from a seed on the passkey task, evaluate it through the
 inference path, and write a Mistral-native checkpoint (params.json, consolidated.safetensors, byte-level tekken).
 
-Deterministic for a seed on one thread. Progress is a tqdm bar; every step appends a line to `train_log.jsonl`
-(loss, answer loss, indexer KL, answer exact match under teacher forcing, length, seconds).
+Deterministic for a seed: each stage runs on the recipe's thread count (Stage.threads). Progress is a tqdm bar;
+every step appends a line to `train_log.jsonl` (loss, answer loss, indexer KL, answer exact match under teacher
+forcing, length, seconds).
 """
 
 from __future__ import annotations
@@ -94,14 +95,21 @@ def stage_dir(out: Path, stage: Stage) -> Path:
     return out / f"after-{stage.name}"
 
 
-def train(out: Path, recipe: Recipe = Recipe(), threads: int = 1, resume: bool = False) -> ML4:
+def train(out: Path, recipe: Recipe = Recipe(), resume: bool = False) -> ML4:
     """Train and save the retrieval checkpoint into `out`; returns the model.
 
     Every stage ends in a checkpoint, `out/after-<stage>` (the weights as stored: bf16), and the next stage starts
     from that checkpoint as loaded, with a fresh optimizer. So `resume` (continue after the last finished stage,
     fast-forwarding the data stream through the finished stages' batches) gives the same weights as one
-    uninterrupted run."""
-    torch.set_num_threads(threads)
+    uninterrupted run. Each stage sets torch's thread count to its own; the caller's is restored at the end."""
+    threads = torch.get_num_threads()
+    try:
+        return _train(out, recipe, resume)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(out: Path, recipe: Recipe, resume: bool) -> ML4:
     out.mkdir(parents=True, exist_ok=True)
     write_tekken(out, TOKENIZER_WORDS)
     cfg = ModelConfig.from_params(retrieval_params())
@@ -110,7 +118,7 @@ def train(out: Path, recipe: Recipe = Recipe(), threads: int = 1, resume: bool =
     done = 0
     while resume and done < len(recipe.stages) and (stage_dir(out, recipe.stages[done]) / "params.json").exists():
         done += 1
-    header = {"recipe": asdict(recipe), "params": retrieval_params(), "threads": threads}
+    header = {"recipe": asdict(recipe), "params": retrieval_params()}
     kept = []
     if done:
         finished = {st.name for st in recipe.stages[:done]}
@@ -124,6 +132,7 @@ def train(out: Path, recipe: Recipe = Recipe(), threads: int = 1, resume: bool =
     log.write("\n".join([json.dumps(header)] + kept) + "\n")
     t0 = time.time()
     for stage in recipe.stages[done:]:
+        torch.set_num_threads(stage.threads)
         opt = torch.optim.AdamW(model.parameters(), lr=stage.lr, betas=(0.9, 0.95), weight_decay=0.01)
         bar = tqdm(range(stage.steps), desc=f"train-needle {stage.name}", mininterval=5)
         for step in bar:
@@ -191,6 +200,6 @@ def main(args) -> None:
     """`hisparse train-needle` (args from the CLI)."""
     out = Path(args.out)
     if not args.eval_only:
-        train(out, Recipe(seed=args.seed), threads=args.threads, resume=args.resume)
+        train(out, Recipe(seed=args.seed), resume=args.resume)
     report(out, [int(c) for c in args.eval_chars.split(",")], args.eval_samples, args.hot_buffer_tokens,
            args.seed)
