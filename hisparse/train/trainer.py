@@ -1,9 +1,10 @@
 """`hisparse train-needle`: train the retrieval model from a seed on the passkey task, evaluate it through the
 inference path, and write a Mistral-native checkpoint (params.json, consolidated.safetensors, byte-level tekken).
 
-Deterministic for a seed: each stage runs on the recipe's thread count (Stage.threads). Progress is a tqdm bar;
-every step appends a line to `train_log.jsonl` (loss, answer loss, indexer KL, answer exact match under teacher
-forcing, length, seconds).
+Deterministic for a seed: each stage runs on the recipe's thread count (Stage.threads), and two runs in one
+environment are bit-identical. But a re-run two days after the shipped run diverged from it at step 79 (cause not
+found) and trained a weaker model: see the README. Progress is a tqdm bar; every step appends a line to
+`train_log.jsonl` (loss, answer loss, indexer KL, answer exact match under teacher forcing, length, seconds).
 """
 
 from __future__ import annotations
