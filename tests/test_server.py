@@ -256,6 +256,23 @@ def test_concurrent_clients_and_cancellations(server: Server, tok, reference, se
     assert m.get(aborts, 0) - base.get(aborts, 0) == 4
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_non_streaming_client_that_gives_up_aborts_its_request(server: Server, path: str) -> None:
+    """A non-streaming client that times out is noticed (the server polls for the disconnect): its request is
+    aborted in the engine rather than generating its 1,500 tokens for nobody, and all it held is freed."""
+    base = server.wait_idle()
+    body = {"model": server.name, "max_tokens": 1500, "temperature": 0, "ignore_eos": True,
+            **({"messages": [{"role": "user", "content": "hello"}]} if "chat" in path else {"prompt": "hello"})}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}{path}", json=body, headers=auth(), timeout=httpx.Timeout(60, read=0.5))
+    m = server.wait_idle()
+    aborts = 'hisparse_request_success_total{"finished_reason": "abort"}'
+    assert m.get(aborts, 0) - base.get(aborts, 0) == 1
+    lengths = 'hisparse_request_success_total{"finished_reason": "length"}'
+    assert m.get(lengths, 0) == base.get(lengths, 0)
+    assert m["hisparse_host_pool_usage_ratio"] == base["hisparse_host_pool_usage_ratio"]
+
+
 def bad_requests(name: str) -> list[tuple[str, object, int, str]]:
     """(path, body, status, what the error must name: the param, or a message fragment after '~')."""
     C, H = "/v1/completions", "/v1/chat/completions"

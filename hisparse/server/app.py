@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import secrets
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import aclosing, asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing, asynccontextmanager, suppress
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -29,6 +30,8 @@ from .protocol import ChatRequest, CompletionRequest, SamplingFields, Usage, now
 log = logging.getLogger("hisparse.server")
 COMPLETION_DEFAULT_MAX_TOKENS = 16     # OpenAI's default for /v1/completions
 CHAT_DEFAULT_MAX_TOKENS = 1024         # chat has no OpenAI default; bounded so admission can reserve it
+DISCONNECT_POLL_S = 0.25               # how often a non-streaming request checks that its client is still there
+CLIENT_CLOSED = 499                    # the status of a response nobody is left to read (nginx's convention)
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,47 @@ def validation_error(e: RequestValidationError) -> APIError:
         param = param or where or None
         parts.append(f"{where}: {err.get('msg')}" if where else f"body: {err.get('msg')}")
     return APIError(400, "; ".join(parts) or "invalid request", param)
+
+
+class ApiKeyAuth:
+    """ASGI middleware: /v1 routes need `Authorization: Bearer <key>`. Plain ASGI rather than @app.middleware:
+    Starlette's BaseHTTPMiddleware wraps `receive` so that a handler never sees its client disconnect (`collect`)."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.key = app, api_key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            token = header[7:] if header.lower().startswith("bearer ") else ""
+            if not secrets.compare_digest(token.encode(), self.key):
+                reply = error_response(APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                                                code="invalid_api_key", kind="authentication_error"))
+                return await reply(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+async def collect(request: Request, outputs: AsyncIterator[RequestOutput], each: Callable[[RequestOutput], None]
+                  ) -> RequestOutput | None:
+    """Consume a non-streaming request's outputs, passing each to `each`; returns the last one, or None if the
+    client disconnected first. Then the outputs are closed, which aborts the request in the engine, as a dropped
+    stream does: a client that gives up on a long prompt does not leave the server prefilling it for nobody (and a
+    graceful shutdown does not wait for it)."""
+    async def consume() -> RequestOutput | None:
+        last = None
+        async with aclosing(outputs) as stream:
+            async for last in stream:
+                each(last)
+        return last
+
+    task = asyncio.ensure_future(consume())
+    while not (await asyncio.wait({task}, timeout=DISCONNECT_POLL_S))[0]:
+        if await request.is_disconnected():
+            task.cancel()
+            with suppress(asyncio.CancelledError):
+                await task
+            return None
+    return task.result()
 
 
 def sse(obj: dict | str) -> str:
@@ -111,15 +155,8 @@ def build_app(engine: Engine, tokenizer: MistralTokenizer, cfg: ServerConfig) ->
         return error_response(APIError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error",
                                        kind="server_error"))
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if cfg.api_key and request.url.path.startswith("/v1"):
-            header = request.headers.get("authorization", "")
-            token = header[7:] if header.lower().startswith("bearer ") else ""
-            if not secrets.compare_digest(token.encode(), cfg.api_key.encode()):
-                return error_response(APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
-                                               code="invalid_api_key", kind="authentication_error"))
-        return await call_next(request)
+    if cfg.api_key:
+        app.add_middleware(ApiKeyAuth, api_key=cfg.api_key)
 
     # ---- helpers ----
     def check_common(req: SamplingFields) -> None:
@@ -155,7 +192,7 @@ def build_app(engine: Engine, tokenizer: MistralTokenizer, cfg: ServerConfig) ->
                                             "owned_by": "hisparse", "max_model_len": cfg.max_model_len}]}
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
+    async def completions(req: CompletionRequest, request: Request):
         check_common(req)
         prompt = text_tok.encode(req.prompt, bos=True, eos=False) if isinstance(req.prompt, str) else req.prompt
         rid, outputs = submit(prompt, req, req.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS, "cmpl")
@@ -180,16 +217,17 @@ def build_app(engine: Engine, tokenizer: MistralTokenizer, cfg: ServerConfig) ->
                 yield sse("[DONE]")
             return StreamingResponse(events(), media_type="text/event-stream")
 
-        text, last = "", None
-        async with aclosing(outputs) as stream:
-            async for last in stream:
-                text += last.text_delta
+        pieces: list[str] = []
+        last = await collect(request, outputs, lambda out: pieces.append(out.text_delta))
+        if last is None:
+            return Response(status_code=CLIENT_CLOSED)
+        text = "".join(pieces)
         if last.error:
             raise failed(last)
         return {**chunk(text, last.finish_reason), "usage": Usage.of(last.prompt_tokens, last.output_tokens).model_dump()}
 
     @app.post("/v1/chat/completions")
-    async def chat(req: ChatRequest):
+    async def chat(req: ChatRequest, request: Request):
         check_common(req)
         prompt = chat_encoder.encode(req)
         max_tokens = req.max_completion_tokens or req.max_tokens or \
@@ -236,10 +274,9 @@ def build_app(engine: Engine, tokenizer: MistralTokenizer, cfg: ServerConfig) ->
                 yield sse("[DONE]")
             return StreamingResponse(events(), media_type="text/event-stream")
 
-        last = None
-        async with aclosing(outputs) as stream:
-            async for last in stream:
-                parser.push(last.new_token_ids)
+        last = await collect(request, outputs, lambda out: parser.push(out.new_token_ids))
+        if last is None:
+            return Response(status_code=CLIENT_CLOSED)
         if last.error:
             raise failed(last)
         parser.finish()
