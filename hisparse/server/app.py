@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..engine.engine import Engine
 from ..engine.request import RequestError, RequestOutput
@@ -75,10 +76,10 @@ class ApiKeyAuth:
     """ASGI middleware: /v1 routes need `Authorization: Bearer <key>`. Plain ASGI rather than @app.middleware:
     Starlette's BaseHTTPMiddleware wraps `receive` so that a handler never sees its client disconnect (`collect`)."""
 
-    def __init__(self, app, api_key: str):
+    def __init__(self, app: ASGIApp, api_key: str):
         self.app, self.key = app, api_key.encode()
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
             header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
             token = header[7:] if header.lower().startswith("bearer ") else ""
