@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from hisparse.model.weights import load_model
 from hisparse.train.evaluate import passkey_accuracy
 import hisparse.train.forward as fw
 from hisparse.train.forward import train_forward
-from hisparse.train.recipe import TOKENIZER_WORDS, Recipe, Stage, retrieval_params
+from hisparse.train.recipe import TOKENIZER_WORDS, Gate, Recipe, Stage, retrieval_params
 from hisparse.train.trainer import init_model, train
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -91,10 +92,7 @@ def test_training_is_reproducible_and_writes_a_servable_checkpoint(tmp_path: Pat
     c = train(tmp_path / "c", recipe, resume=True)
     for (n, p), q in zip(a.named_parameters(), c.parameters()):
         assert torch.equal(p, q), n
-    strip = [{k: v for k, v in json.loads(ln).items() if k != "s"}
-             for ln in (tmp_path / "a" / "train_log.jsonl").read_text().splitlines()]
-    assert strip == [{k: v for k, v in json.loads(ln).items() if k != "s"}
-                     for ln in (tmp_path / "c" / "train_log.jsonl").read_text().splitlines()]
+    assert log_records(tmp_path / "a") == log_records(tmp_path / "c")
     for name, p in a.named_parameters():
         if name.endswith("ssmax_scaling"):
             assert (p[:, 0] >= 0).all() and (p[:, 1] >= 0.1).all()
@@ -103,6 +101,39 @@ def test_training_is_reproducible_and_writes_a_servable_checkpoint(tmp_path: Pat
     assert load_tokenizer(tmp_path / "a").instruct_tokenizer.tokenizer.n_words == TOKENIZER_WORDS
     lines = (tmp_path / "a" / "train_log.jsonl").read_text().splitlines()
     assert len(lines) == 1 + 3 + 2 + 2
+
+
+def log_records(out: Path) -> list[dict]:
+    """The per-step records of a run's train_log.jsonl, without their wall-clock seconds."""
+    return [{k: v for k, v in json.loads(ln).items() if k != "s"}
+            for ln in (out / "train_log.jsonl").read_text().splitlines()[1:]]
+
+
+def test_a_gated_stage_retries_until_its_gate_holds_and_resumes_between_rounds(tmp_path: Path):
+    never = Gate(1.0, 2, retry_steps=2, retries=2)   # a model trained for a few steps never gets 7 digits exact
+    recipe = Recipe(seed=5, stages=(Stage("dense", 3, 16, 48, False, 1e-3, gate=never),
+                                    Stage("sparse", 2, 64, 160, True, 1e-3, gate=Gate(0.0, 2, 2))),
+                    tokens_per_batch=512, warmup=2)
+    a = train(tmp_path / "a", recipe)
+    assert [(r["stage"], r.get("round", 0)) for r in log_records(tmp_path / "a")] == (
+        [("dense", 0)] * 3 + [("dense", 1)] * 2 + [("dense", 2)] * 2 + [("sparse", 0)] * 2)
+    # a run that stopped after the first retry, resumed under the full recipe, runs the second retry and the rest
+    short = replace(recipe, stages=(replace(recipe.stages[0], gate=replace(never, retries=1)),))
+    train(tmp_path / "c", short)
+    c = train(tmp_path / "c", recipe, resume=True)
+    for (n, p), q in zip(a.named_parameters(), c.parameters()):
+        assert torch.equal(p, q), n
+    assert log_records(tmp_path / "a") == log_records(tmp_path / "c")
+
+
+def test_the_shipped_run_meets_every_gate_of_the_recipe_in_its_first_round():
+    """The gates were added after the shipped run: it would have run exactly as it did (no retries)."""
+    steps: dict[str, list[float]] = {}
+    for rec in log_records(SHIPPED):
+        steps.setdefault(rec["stage"], []).append(rec["answer_exact"])
+    for stage in Recipe().stages:
+        assert len(steps[stage.name]) == stage.steps, stage.name
+        assert stage.gate is None or stage.gate.met(steps[stage.name]), stage.name
 
 
 def test_init_model_ssmax_gain_is_one():

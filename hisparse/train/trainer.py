@@ -96,13 +96,17 @@ def stage_dir(out: Path, stage: Stage) -> Path:
     return out / f"after-{stage.name}"
 
 
+STEPS_FILE = "stage_steps"   # in a stage checkpoint: how many of the stage's steps (all rounds) it has seen
+
+
 def train(out: Path, recipe: Recipe = Recipe(), resume: bool = False) -> ML4:
     """Train and save the retrieval checkpoint into `out`; returns the model.
 
-    Every stage ends in a checkpoint, `out/after-<stage>` (the weights as stored: bf16), and the next stage starts
-    from that checkpoint as loaded, with a fresh optimizer. So `resume` (continue after the last finished stage,
-    fast-forwarding the data stream through the finished stages' batches) gives the same weights as one
-    uninterrupted run. Each stage sets torch's thread count to its own; the caller's is restored at the end."""
+    Every round of a stage ends in a checkpoint, `out/after-<stage>` (the weights as stored: bf16), and the next
+    round or stage starts from that checkpoint as loaded, with a fresh optimizer. So `resume` (continue after the
+    last finished round, fast-forwarding the data stream through the batches already trained on) gives the same
+    weights as one uninterrupted run. Each stage sets torch's thread count to its own; the caller's is restored
+    at the end."""
     threads = torch.get_num_threads()
     try:
         return _train(out, recipe, resume)
@@ -116,57 +120,96 @@ def _train(out: Path, recipe: Recipe, resume: bool) -> ML4:
     cfg = ModelConfig.from_params(retrieval_params())
     model = init_model(cfg, recipe.seed).train()
     data = PasskeyBatches(out, recipe.seed)
-    done = 0
-    while resume and done < len(recipe.stages) and (stage_dir(out, recipe.stages[done]) / "params.json").exists():
-        done += 1
-    header = {"recipe": asdict(recipe), "params": retrieval_params()}
-    kept = []
-    if done:
-        finished = {st.name for st in recipe.stages[:done]}
-        lines = (out / "train_log.jsonl").read_text().splitlines()[1:]
-        kept = [ln for ln in lines if json.loads(ln).get("stage") in finished]
-        model = load_stage(out, recipe.stages[done - 1])
-        for stage in recipe.stages[:done]:
-            for _ in range(stage.steps):
-                data.batch(stage, recipe.tokens_per_batch)
+    trained = trained_steps(out, recipe) if resume else {}
     log = open(out / "train_log.jsonl", "w")
-    log.write("\n".join([json.dumps(header)] + kept) + "\n")
+    log.write(json.dumps({"recipe": asdict(recipe), "params": retrieval_params()}) + "\n")
     t0 = time.time()
-    for stage in recipe.stages[done:]:
-        torch.set_num_threads(stage.threads)
-        opt = torch.optim.AdamW(model.parameters(), lr=stage.lr, betas=(0.9, 0.95), weight_decay=0.01)
-        bar = tqdm(range(stage.steps), desc=f"train-needle {stage.name}", mininterval=5)
-        for step in bar:
-            for group in opt.param_groups:
-                group["lr"] = lr_at(step, stage.steps, stage, recipe.warmup)
-            tokens, ans, valid = data.batch(stage, recipe.tokens_per_batch)
-            if stage.topk_only:
-                logits, index_kl = topk_forward(model, tokens[:, :-1], recipe.kl_recent_keys)
-            else:
-                logits, index_kl = train_forward(model, tokens[:, :-1], cfg.index_topk if stage.sparse else None)
-            ce = F.cross_entropy(logits, tokens[:, 1:].flatten(), reduction="none").view(ans.shape)
-            ans_ce = ce[ans].mean()
-            loss = ce[valid].mean() + recipe.answer_weight * ans_ce + recipe.index_weight * index_kl
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip)
-            opt.step()
-            keep_ssmax_sane(model)
-            with torch.no_grad():
-                hit = (logits.argmax(-1).view(ans.shape) == tokens[:, 1:]) | ~ans
-                exact = hit.all(dim=1).float().mean().item()
-            rec = {"stage": stage.name, "step": step, "T": tokens.shape[1], "B": tokens.shape[0],
-                   "loss": round(loss.item(), 4), "answer_ce": round(ans_ce.item(), 4),
-                   "index_kl": round(index_kl.item(), 4), "answer_exact": exact, "s": round(time.time() - t0, 1)}
+    for stage in recipe.stages:
+        records = trained.get(stage.name, [])
+        for rec in records:
+            data.batch(stage, recipe.tokens_per_batch)
             log.write(json.dumps(rec) + "\n")
-            log.flush()
-            bar.set_postfix(ans=rec["answer_ce"], kl=rec["index_kl"], exact=exact, T=rec["T"])
-        save_model(model, stage_dir(out, stage))
-        model = load_stage(out, stage)
+        if records:
+            model = load_stage(out, stage)
+        exact = [rec["answer_exact"] for rec in records]
+        while not stage_done(stage, exact):
+            torch.set_num_threads(stage.threads)
+            exact += train_round(model, stage, rounds_of(stage, len(exact)), data, recipe, log, t0)
+            save_model(model, stage_dir(out, stage))
+            (stage_dir(out, stage) / STEPS_FILE).write_text(str(len(exact)))
+            model = load_stage(out, stage)
     log.close()
     model.eval()
     save_model(model, out)
     return model
+
+
+def rounds_of(stage: Stage, steps: int) -> int:
+    """How many rounds a stage has run after `steps` of its steps."""
+    return 0 if steps == 0 else 1 + (steps - stage.steps) // stage.gate.retry_steps if stage.gate else 1
+
+
+def stage_done(stage: Stage, exact: list[float]) -> bool:
+    """A stage is done after its first round if it has no gate, else once the gate is met or its retries run out."""
+    rounds = rounds_of(stage, len(exact))
+    if rounds == 0 or stage.gate is None:
+        return rounds > 0
+    return stage.gate.met(exact) or rounds > stage.gate.retries
+
+
+def trained_steps(out: Path, recipe: Recipe) -> dict[str, list[dict]]:
+    """For resume: the logged steps of each stage up to its checkpoint, for the stages with one, in recipe order
+    (the log may run past a checkpoint, into a round that was interrupted)."""
+    lines = [json.loads(ln) for ln in (out / "train_log.jsonl").read_text().splitlines()[1:]]
+    trained = {}
+    for stage in recipe.stages:
+        ckpt = stage_dir(out, stage)
+        if not (ckpt / "params.json").exists():
+            break
+        steps_file = ckpt / STEPS_FILE
+        n = int(steps_file.read_text()) if steps_file.exists() else stage.steps  # written before gates existed
+        trained[stage.name] = [rec for rec in lines if rec["stage"] == stage.name][:n]
+    return trained
+
+
+def train_round(model: ML4, stage: Stage, round_: int, data: PasskeyBatches, recipe: Recipe, log, t0: float
+                ) -> list[float]:
+    """One round of a stage (the stage's steps, or its gate's retry steps) with a fresh AdamW; logs every step
+    and returns each step's teacher-forced answer exact match."""
+    steps = stage.steps if round_ == 0 else stage.gate.retry_steps
+    index_topk = model.cfg.index_topk if stage.sparse else None
+    opt = torch.optim.AdamW(model.parameters(), lr=stage.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    bar = tqdm(range(steps), desc=f"train-needle {stage.name}" + (f" (retry {round_})" if round_ else ""),
+               mininterval=5)
+    exacts = []
+    for step in bar:
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, steps, stage, recipe.warmup)
+        tokens, ans, valid = data.batch(stage, recipe.tokens_per_batch)
+        if stage.topk_only:
+            logits, index_kl = topk_forward(model, tokens[:, :-1], recipe.kl_recent_keys)
+        else:
+            logits, index_kl = train_forward(model, tokens[:, :-1], index_topk)
+        ce = F.cross_entropy(logits, tokens[:, 1:].flatten(), reduction="none").view(ans.shape)
+        ans_ce = ce[ans].mean()
+        loss = ce[valid].mean() + recipe.answer_weight * ans_ce + recipe.index_weight * index_kl
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip)
+        opt.step()
+        keep_ssmax_sane(model)
+        with torch.no_grad():
+            hit = (logits.argmax(-1).view(ans.shape) == tokens[:, 1:]) | ~ans
+            exacts.append(hit.all(dim=1).float().mean().item())
+        rec = {"stage": stage.name, "step": step, "T": tokens.shape[1], "B": tokens.shape[0],
+               "loss": round(loss.item(), 4), "answer_ce": round(ans_ce.item(), 4),
+               "index_kl": round(index_kl.item(), 4), "answer_exact": exacts[-1], "s": round(time.time() - t0, 1)}
+        if round_:
+            rec["round"] = round_
+        log.write(json.dumps(rec) + "\n")
+        log.flush()
+        bar.set_postfix(ans=rec["answer_ce"], kl=rec["index_kl"], exact=exacts[-1], T=rec["T"])
+    return exacts
 
 
 def load_stage(out: Path, stage: Stage) -> ML4:
