@@ -3,7 +3,8 @@ inference path, and write a Mistral-native checkpoint (params.json, consolidated
 
 Deterministic for a seed: each stage runs on the recipe's thread count (Stage.threads), and two runs in one
 environment are bit-identical. But a re-run two days after the shipped run diverged from it at step 79 (cause not
-found) and trained a weaker model: see the README. Progress is a tqdm bar; every step appends a line to
+found) and trained a weaker model; its sparse-copy retrieved late, which the stages' gates (recipe.Gate) now catch
+by retrying: see the README. Progress is a tqdm bar; every step appends a line to
 `train_log.jsonl` (loss, answer loss, indexer KL, answer exact match under teacher forcing, length, seconds).
 """
 
@@ -15,6 +16,7 @@ import random
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import TextIO
 
 import torch
 import torch.nn.functional as F
@@ -146,7 +148,9 @@ def _train(out: Path, recipe: Recipe, resume: bool) -> ML4:
 
 def rounds_of(stage: Stage, steps: int) -> int:
     """How many rounds a stage has run after `steps` of its steps."""
-    return 0 if steps == 0 else 1 + (steps - stage.steps) // stage.gate.retry_steps if stage.gate else 1
+    if steps == 0 or stage.gate is None:
+        return min(steps, 1)
+    return 1 + (steps - stage.steps) // stage.gate.retry_steps
 
 
 def stage_done(stage: Stage, exact: list[float]) -> bool:
@@ -172,8 +176,8 @@ def trained_steps(out: Path, recipe: Recipe) -> dict[str, list[dict]]:
     return trained
 
 
-def train_round(model: ML4, stage: Stage, round_: int, data: PasskeyBatches, recipe: Recipe, log, t0: float
-                ) -> list[float]:
+def train_round(model: ML4, stage: Stage, round_: int, data: PasskeyBatches, recipe: Recipe, log: TextIO,
+                t0: float) -> list[float]:
     """One round of a stage (the stage's steps, or its gate's retry steps) with a fresh AdamW; logs every step
     and returns each step's teacher-forced answer exact match."""
     steps = stage.steps if round_ == 0 else stage.gate.retry_steps
