@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from hisparse.train.evaluate import passkey_accuracy
 import hisparse.train.forward as fw
 from hisparse.train.forward import train_forward
 from hisparse.train.recipe import TOKENIZER_WORDS, Gate, Recipe, Stage, retrieval_params
-from hisparse.train.trainer import init_model, train
+from hisparse.train.trainer import DISPATCH_VARS, init_model, numeric_env, train, trained_steps
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 SHIPPED = Path(__file__).resolve().parents[1] / "checkpoints" / "needle-ml4"
@@ -124,6 +125,23 @@ def test_a_gated_stage_retries_until_its_gate_holds_and_resumes_between_rounds(t
     for (n, p), q in zip(a.named_parameters(), c.parameters()):
         assert torch.equal(p, q), n
     assert log_records(tmp_path / "a") == log_records(tmp_path / "c")
+
+
+def test_resume_warns_when_the_log_came_from_another_numeric_environment(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch):
+    for var in DISPATCH_VARS:
+        monkeypatch.delenv(var, raising=False)
+    recipe = Recipe(stages=(Stage("dense", 1, 16, 48, False, 1e-3),))
+    env = numeric_env()
+    (tmp_path / "train_log.jsonl").write_text(json.dumps({"env": env}) + "\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert trained_steps(tmp_path, recipe, env) == {}
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")   # another MKL kernel: other bits from step 79 on
+    other = numeric_env()
+    assert other == {**env, "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    with pytest.warns(UserWarning, match="another numeric environment"):
+        trained_steps(tmp_path, recipe, other)
 
 
 def test_the_shipped_run_meets_every_gate_of_the_recipe_in_its_first_round():

@@ -2,17 +2,22 @@
 inference path, and write a Mistral-native checkpoint (params.json, consolidated.safetensors, byte-level tekken).
 
 Deterministic for a seed: each stage runs on the recipe's thread count (Stage.threads), and two runs in one
-environment are bit-identical. But a re-run two days after the shipped run diverged from it at step 79 (cause not
-found) and trained a weaker model; its sparse-copy retrieved late, which the stages' gates (recipe.Gate) now catch
-by retrying: see the README. Progress is a tqdm bar; every step appends a line to
+environment (`numeric_env`, recorded in the log's header) are bit-identical. A re-run two days after the shipped
+run diverged from it at step 79 and trained a weaker model. Changing only MKL's or ATen's kernel dispatch moves
+a run off this machine's trajectory at the same steps (79 or 88), so the shipped run's environment, which was not
+recorded, is the likely cause. The re-run's sparse-copy retrieved late, which the stages' gates (recipe.Gate) now catch by retrying:
+see the README. Progress is a tqdm bar; every step appends a line to
 `train_log.jsonl` (loss, answer loss, indexer KL, answer exact match under teacher forcing, length, seconds).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
 import random
+import warnings
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -23,6 +28,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..model.config import ModelConfig
+from ..model.kernels.indexer_topk import cpu_id
 from ..model.ml4 import ML4
 from ..model.tokenizer import load_tokenizer, write_tekken
 from ..model.weights import load_model, save_model
@@ -101,6 +107,18 @@ def stage_dir(out: Path, stage: Stage) -> Path:
 STEPS_FILE = "stage_steps"   # in a stage checkpoint: how many of the stage's steps (all rounds) it has seen
 
 
+DISPATCH_VARS = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA")
+
+
+def numeric_env() -> dict[str, str]:
+    """What a run's bits depend on besides the recipe and seed: torch (and the MKL it links), the CPU (which picks
+    ATen's and MKL's kernels: MKL_ENABLE_INSTRUCTIONS=AVX2 alone moves the copy stage's 4-decimal log off this
+    machine's at step 79) and the variables that override that choice."""
+    return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "cpu": hashlib.sha256(cpu_id().encode()).hexdigest()[:16],
+            **{k: os.environ[k] for k in DISPATCH_VARS if k in os.environ}}
+
+
 def train(out: Path, recipe: Recipe = Recipe(), resume: bool = False) -> ML4:
     """Train and save the retrieval checkpoint into `out`; returns the model.
 
@@ -122,9 +140,10 @@ def _train(out: Path, recipe: Recipe, resume: bool) -> ML4:
     cfg = ModelConfig.from_params(retrieval_params())
     model = init_model(cfg, recipe.seed).train()
     data = PasskeyBatches(out, recipe.seed)
-    trained = trained_steps(out, recipe) if resume else {}
+    env = numeric_env()
+    trained = trained_steps(out, recipe, env) if resume else {}
     log = open(out / "train_log.jsonl", "w")
-    log.write(json.dumps({"recipe": asdict(recipe), "params": retrieval_params()}) + "\n")
+    log.write(json.dumps({"recipe": asdict(recipe), "params": retrieval_params(), "env": env}) + "\n")
     t0 = time.time()
     for stage in recipe.stages:
         records = trained.get(stage.name, [])
@@ -161,10 +180,14 @@ def stage_done(stage: Stage, exact: list[float]) -> bool:
     return stage.gate.met(exact) or rounds > stage.gate.retries
 
 
-def trained_steps(out: Path, recipe: Recipe) -> dict[str, list[dict]]:
+def trained_steps(out: Path, recipe: Recipe, env: dict[str, str]) -> dict[str, list[dict]]:
     """For resume: the logged steps of each stage up to its checkpoint, for the stages with one, in recipe order
-    (the log may run past a checkpoint, into a round that was interrupted)."""
-    lines = [json.loads(ln) for ln in (out / "train_log.jsonl").read_text().splitlines()[1:]]
+    (the log may run past a checkpoint, into a round that was interrupted). Warns when the log was written in
+    another numeric environment than `env`: the resumed run is then not the run its seed would give here."""
+    header, *lines = [json.loads(ln) for ln in (out / "train_log.jsonl").read_text().splitlines()]
+    if header.get("env") != env:
+        warnings.warn(f"resuming a run logged in another numeric environment (logged: {header.get('env')}; here: {env}): "
+                      "its steps will not be bit-identical to an uninterrupted run")
     trained = {}
     for stage in recipe.stages:
         ckpt = stage_dir(out, stage)

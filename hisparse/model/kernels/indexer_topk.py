@@ -29,8 +29,8 @@ OPENMP = ["-fopenmp"]   # libgomp.so.1: the runtime torch itself loads, so threa
 FUNCTIONS = {torch.float32: "indexer_topk_f32", torch.float64: "indexer_topk_f64"}
 
 
-def _cpu_id() -> str:
-    """What -march=native depends on: the CPU's model and feature flags."""
+def cpu_id() -> str:
+    """What -march=native (and torch's and MKL's kernel dispatch) depends on: the CPU's model and feature flags."""
     try:
         info = Path("/proc/cpuinfo").read_text()
         return "".join(l for l in info.splitlines(keepends=True) if l.startswith(("model name", "flags")))[:4096]
@@ -80,7 +80,7 @@ def library(build: Build = Build()) -> ctypes.CDLL | None:
         warnings.warn("no C++ compiler (set CXX): the indexer uses the slower torch top-k path")
         return None
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, *defines, *OPENMP, version, _cpu_id()]).encode()
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, *defines, *OPENMP, version, cpu_id()]).encode()
                          ).hexdigest()
     root = Path(os.environ.get("HISPARSE_CACHE", Path.home() / ".cache" / "hisparse")) / "kernels"
     path = root / f"indexer_topk-{key[:16]}.so"
