@@ -5,9 +5,9 @@ Deterministic for a seed: each stage runs on the recipe's thread count (Stage.th
 environment (`numeric_env`, recorded in the log's header) are bit-identical. A re-run two days after the shipped
 run diverged from it at step 79 and trained a weaker model. Changing only MKL's or ATen's kernel dispatch moves
 a run off this machine's trajectory at the same steps (79 or 88), so the shipped run's environment, which was not
-recorded, is the likely cause. The re-run's sparse-copy retrieved late, which the stages' gates (recipe.Gate) now catch by retrying:
-see the README. Progress is a tqdm bar; every step appends a line to
-`train_log.jsonl` (loss, answer loss, indexer KL, answer exact match under teacher forcing, length, seconds).
+recorded, is the likely cause. The re-run's sparse-copy retrieved late, which the stages' gates (recipe.Gate)
+now catch by retrying: see the README. Progress is a tqdm bar; every step appends a line to `train_log.jsonl`
+(loss, answer loss, indexer KL, answer exact match under teacher forcing, length, seconds).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import json
 import math
 import os
 import random
-import warnings
 import time
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 from typing import TextIO
@@ -186,8 +186,8 @@ def trained_steps(out: Path, recipe: Recipe, env: dict[str, str]) -> dict[str, l
     another numeric environment than `env`: the resumed run is then not the run its seed would give here."""
     header, *lines = [json.loads(ln) for ln in (out / "train_log.jsonl").read_text().splitlines()]
     if header.get("env") != env:
-        warnings.warn(f"resuming a run logged in another numeric environment (logged: {header.get('env')}; here: {env}): "
-                      "its steps will not be bit-identical to an uninterrupted run")
+        warnings.warn(f"resuming a run logged in another numeric environment (logged: {header.get('env')}; "
+                      f"here: {env}): its steps will not be bit-identical to an uninterrupted run")
     trained = {}
     for stage in recipe.stages:
         ckpt = stage_dir(out, stage)
