@@ -102,6 +102,35 @@ def test_logits_at_selects_rows(tiny64: ML4, seed: int) -> None:
     torch.testing.assert_close(part, full[rows], rtol=1e-13, atol=1e-13)
 
 
+# a tiny variant whose last layer caches nothing: a NoPE KV consumer of layer 3 that shares layer 4's selection
+CONSUMER_LAST = {"kv_source_layers": [0, 1, 2, 3, 4, 5, 6, 3], "index_source_layers": [0, 1, 1, 3, 4, 4, 4, 4]}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("variant", ["tiny", "consumer-last"])
+def test_rows_without_logits_skip_the_last_layers(dtype: torch.dtype, variant: str, seed: int) -> None:
+    """With logits_at, layers from the last cache writer on compute only those rows: every step's logits equal
+    the rows of a traced forward that computes every row, on a KV fed the same steps (so the caches agree too).
+    Steps mix prefill chunks without logits, chunk ends, decode rows and a 3-row verify-like segment."""
+    model = tiny_model(seed, dtype, **(CONSUMER_LAST if variant == "consumer-last" else {}))
+    assert model.last_writer == (7 if variant == "tiny" else 6)
+    toks = {"a": random_tokens(T, model.cfg.vocab_size, seed), "b": random_tokens(40, model.cfg.vocab_size, seed + 1)}
+    steps = [  # (req, start, length, logit rows at the segment's end)
+        [("a", 0, 13, 0)], [("b", 0, 9, 0), ("a", 13, 11, 1)], [("a", 24, 6, 3), ("b", 9, 20, 0)],
+        [("b", 29, 3, 1), ("a", 30, 2, 1)], [("a", 32, 1, 1), ("b", 32, 5, 0)], [("b", 37, 3, 3)]]
+    kv_trim, kv_full = kv_for(model), kv_for(model)
+    for step in steps:
+        segs = [Segment(r, s, n) for r, s, n, _ in step]
+        tokens = torch.cat([toks[r][s:s + n] for r, s, n, _ in step])
+        ends = torch.tensor([n for _, _, n, _ in step]).cumsum(0).tolist()
+        at = torch.tensor([e - 1 - j for e, (*_, k) in zip(ends, step) for j in reversed(range(k))], dtype=torch.long)
+        got = model(tokens, segs, kv_trim, logits_at=at)
+        ref = model(tokens, segs, kv_full, trace=ForwardTrace())[at]
+        assert got.shape == ref.shape
+        err = float((got - ref).abs().max() / ref.abs().max()) if at.numel() else 0.0
+        assert err < TOL[dtype], f"seed {seed} {variant} {dtype} step {step}: logits differ by {err:.3e}"
+
+
 # ------------------------------------------------------------------------------------------ soft cap
 
 def final_z(model: ML4, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,22 +30,27 @@ class DCPContext:
         self.group = group
         self.sharding = Sharding(group.size, interleave, group.rank)
 
-    def select(self, indexer: Indexer, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, b: "AttentionBatch",
+    def write_keys(self, k: torch.Tensor, b: "AttentionBatch", layer: int) -> None:
+        """Store the indexer keys k [N, dI] of the batch's positions that this rank owns."""
+        for seg, sl in zip(b.segments, b.slices):
+            pos = b.positions[sl]
+            own = self.sharding.owner(pos) == self.sharding.rank
+            if bool(own.any()):
+                b.kv.index_cache.write(layer, seg.req, self.sharding.local(pos[own]), k[sl][own])
+
+    def select(self, indexer: Indexer, q: torch.Tensor, w: torch.Tensor, b: "AttentionBatch",
                layer: int) -> list[torch.Tensor]:
         """Sel(t) per segment [T, min(k, S)] (ascending positions, -1 padded) from this layer's own keys.
 
-        q [N, HI, dI], k [N, dI], w [N, HI] of the whole batch; this rank stores and scores only its own keys."""
+        q [N, HI, dI], w [N, HI] of the batch's query rows; this rank scores only its own keys (`write_keys`)."""
         sh, topk = self.sharding, indexer.topk
         N = q.shape[0]
         cand = q.new_full((N, topk, 2), -1.0, dtype=torch.float64)      # (score, global position) per slot
         cand[..., 0] = float("-inf")
         for seg, sl in zip(b.segments, b.slices):
             pos = b.positions[sl]
-            own = sh.owner(pos) == sh.rank
-            if bool(own.any()):
-                b.kv.index_cache.write(layer, seg.req, sh.local(pos[own]), k[sl][own])
             n_local = sh.count_owned(seg.start + seg.length)
-            if n_local:
+            if n_local and sl.stop > sl.start:
                 keys = b.kv.index_cache.prefix(layer, seg.req, n_local)                  # [S_r, dI] by local index
                 scores, where = self.local_topk(indexer, q[sl], w[sl], keys, pos)
                 cand[sl, : scores.shape[1], 0] = scores.to(torch.float64)

@@ -36,6 +36,19 @@ class AttentionBatch:
         """The decode-context-parallel hook of this rank (spec §7), carried by its sharded KV; None: one rank."""
         return self.kv.dcp
 
+    def narrow_(self, keep: torch.Tensor) -> None:
+        """Keep only the query rows `keep` (ascending indices into the batch) for the layers still to run.
+
+        Segments (and so the cached prefix each one reads) stay whole; positions, rope tables, row slices and the
+        selections already made follow the kept rows."""
+        bounds = torch.tensor([sl.stop for sl in self.slices], device=keep.device)
+        counts = torch.bincount(torch.bucketize(keep, bounds, right=True), minlength=len(self.slices)).tolist()
+        firsts = [sum(counts[:i]) for i in range(len(counts))]
+        local = [keep[f:f + n] - sl.start for f, n, sl in zip(firsts, counts, self.slices)]
+        self.selections = {l: [sel[i] for sel, i in zip(sels, local)] for l, sels in self.selections.items()}
+        self.slices = [slice(f, f + n) for f, n in zip(firsts, counts)]
+        self.positions, self.cos, self.sin = self.positions[keep], self.cos[keep], self.sin[keep]
+
 
 def sparse_mla(q_lat: torch.Tensor, q_rope: torch.Tensor | None, rows: torch.Tensor, valid: torch.Tensor,
                scale: float, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,7 +90,21 @@ class MLA(nn.Module):
             return b.cos, b.sin
         return rope_cos_sin(rope_frequencies(self.cfg, self.lerope.alpha), b.positions, b.cos.dtype)
 
+    def write(self, x: torch.Tensor, b: AttentionBatch) -> None:
+        """Cache what this layer contributes for every row of x [N, D]: latents (KV owner), indexer keys (owner)."""
+        cos, sin = self.rope_tables(b) if self.spec.rope else (None, None)
+        if self.spec.kv_owner:
+            self.write_latents(x, b, cos, sin)
+        if self.indexer is not None:
+            k = self.indexer.keys(x, cos, sin)                                       # [N, dI]
+            if b.dcp is not None:    # each rank stores the keys of the positions it owns
+                b.dcp.write_keys(k, b, self.spec.index)
+            else:
+                for seg, sl in zip(b.segments, b.slices):
+                    b.kv.index_cache.write(self.spec.index, seg.req, b.positions[sl], k[sl])
+
     def forward(self, x: torch.Tensor, b: AttentionBatch) -> torch.Tensor:   # x [N, D] -> [N, D]
+        """Attention of the query rows x (after `write`: a query sees its own position's latent and key)."""
         cfg, spec = self.cfg, self.spec
         H, dN, r = cfg.n_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
         cos, sin = self.rope_tables(b) if spec.rope else (None, None)
@@ -86,8 +113,6 @@ class MLA(nn.Module):
         if self.ssmax_scaling is not None:
             g = ssmax_gain(self.ssmax_scaling, b.positions, x.dtype)[..., None]    # [N, H, 1]
             q_nope, q_rope = q_nope * g, (q_rope * g if q_rope is not None else None)
-        if spec.kv_owner:
-            self.write_latents(x, b, cos, sin)
         selections = self.select(x, b, cos, sin)
         w_kvb = self.wkv_b.weight.view(H, dN + cfg.v_head_dim, r)
         q_lat = torch.einsum("thd,hdc->thc", q_nope, w_kvb[:, :dN])                 # [N, H, r]
@@ -96,6 +121,8 @@ class MLA(nn.Module):
         else:
             olat = torch.empty_like(q_lat)
             for seg, sl, sel in zip(b.segments, b.slices, selections):
+                if sl.start == sl.stop:
+                    continue
                 uniq, inv = torch.unique(sel.clamp(min=0), return_inverse=True)
                 rows = b.kv.gather(spec.index, seg.req, uniq)[inv]                   # [T, k, r + dR]
                 olat[sl], _ = sparse_mla(q_lat[sl], q_rope[sl] if q_rope is not None else None, rows, sel >= 0,
@@ -121,13 +148,12 @@ class MLA(nn.Module):
         if self.indexer is None:
             sels = b.selections[self.spec.index_source]
         else:
-            q, k, w = self.indexer.project(x, b.positions, cos, sin)
+            q, w = self.indexer.queries(x, b.positions, cos, sin)
             if b.dcp is not None:    # own keys only; exact global merge of every rank's candidates
-                sels = b.dcp.select(self.indexer, q, k, w, b, self.spec.index)
+                sels = b.dcp.select(self.indexer, q, w, b, self.spec.index)
             else:
                 sels = []
                 for seg, sl in zip(b.segments, b.slices):
-                    b.kv.index_cache.write(self.spec.index, seg.req, b.positions[sl], k[sl])
                     keys = b.kv.index_cache.prefix(self.spec.index, seg.req, seg.start + seg.length)
                     sels.append(self.indexer.select(q[sl], w[sl], keys, b.positions[sl]))
             b.selections[self.spec.index] = sels

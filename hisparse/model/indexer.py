@@ -90,19 +90,32 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(cfg.dim, self.n_heads, bias=False)
         self.ssmax_scaling = nn.Parameter(torch.zeros(self.n_heads, 2)) if cfg.ssmax_indexer else None
 
-    def project(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [N, D] (attention_norm output) -> Q [N, HI, dI], K [N, dI] (cached), head weights w [N, HI]."""
-        q = self.wq_b(self.q_norm(x)).view(-1, self.n_heads, self.head_dim)
+    def keys(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
+        """x [N, D] (attention_norm output) -> K [N, dI], the cached keys."""
         k = self.k_norm(self.wk(x))
-        if self.rope_dim:
-            r = self.rope_dim
-            q = torch.cat((apply_rope(q[..., :r], cos, sin, self.interleave), q[..., r:]), dim=-1)
-            k = torch.cat((apply_rope(k[..., :r], cos, sin, self.interleave), k[..., r:]), dim=-1)
+        return self.rope(k, cos, sin)
+
+    def queries(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, D] (attention_norm output) -> Q [N, HI, dI], head weights w [N, HI]."""
+        q = self.rope(self.wq_b(self.q_norm(x)).view(-1, self.n_heads, self.head_dim), cos, sin)
         if self.ssmax_scaling is not None:
             q = q * ssmax_gain(self.ssmax_scaling, positions, q.dtype)[..., None]
         w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).to(x.dtype)
-        return q, k, w
+        return q, w
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [N, D] -> Q [N, HI, dI], K [N, dI], w [N, HI]: queries and keys of the same rows (training)."""
+        q, w = self.queries(x, positions, cos, sin)
+        return q, self.keys(x, cos, sin), w
+
+    def rope(self, v: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
+        """RoPE on the first rope_dim dims of v [..., dI] (RoPE layers; identity on NoPE layers)."""
+        if not self.rope_dim:
+            return v
+        r = self.rope_dim
+        return torch.cat((apply_rope(v[..., :r], cos, sin, self.interleave), v[..., r:]), dim=-1)
 
     def head_weights(self, w: torch.Tensor) -> torch.Tensor:
         """w [T, HI] -> w / (sqrt(dI) sqrt(HI)): relu(x)/c == relu(x/c) for c > 0, so both scales go here."""
@@ -115,6 +128,8 @@ class Indexer(nn.Module):
         blocks of queries: both give identical selections."""
         wr = self.head_weights(w)
         S = keys.shape[0]
+        if q.shape[0] == 0:      # a segment with no query rows here (see AttentionBatch.narrow_)
+            return torch.empty(0, min(self.topk, S), dtype=torch.long, device=q.device)
         if q.shape[0] * S >= FUSED_MIN_PAIRS and indexer_topk.supports(q, wr, keys) and indexer_topk.available():
             return indexer_topk.fused_topk(q, wr, keys, (positions + 1).clamp(0, S), self.topk)[0]
         rows = max(1, SCORE_BLOCK_ELEMS // max(1, self.n_heads * S))

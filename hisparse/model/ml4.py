@@ -29,8 +29,17 @@ class Block(nn.Module):
         else:
             self.moe = MoE(cfg)
 
-    def forward(self, h: torch.Tensor, b: AttentionBatch) -> torch.Tensor:
-        h = h + self.attention(self.attention_norm(h), b)
+    def forward(self, h: torch.Tensor, b: AttentionBatch, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """h [N, D] -> [N, D]; with `keep` (ascending row indices), the layer caches every row but computes only
+        the kept ones -> [len(keep), D], and narrows `b` to them for the layers after it."""
+        x = self.attention_norm(h)
+        self.attention.write(x, b)
+        if keep is not None:
+            h, x = h[keep], x[keep]
+            b.narrow_(keep)
+        if not h.shape[0]:       # no row left to compute (a prefill chunk that needs no logits)
+            return h
+        h = h + self.attention(x, b)
         ffn = self.feed_forward if self.spec.ffn == "dense" else self.moe
         return h + ffn(self.ffn_norm(h))
 
@@ -45,6 +54,8 @@ class ML4(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = None if cfg.tied_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.mtp_dspark = DSpark(cfg) if cfg.mtp else None   # the drafter (`mtp_dspark.*`); not run by forward
+        # From the last layer that caches anything (latents or indexer keys), only rows that need logits matter
+        self.last_writer = max(s.index for s in cfg.layers if s.kv_owner or s.index_owner)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -68,15 +79,21 @@ class ML4(nn.Module):
         """tokens [N] (segments concatenated) -> logits [N, V], or [len(logits_at), V] for those rows only.
 
         Every segment's earlier positions must already be in `kv` (chunked prefill / decode continue there).
+        With `logits_at` and no trace, layers from `last_writer` on compute only those rows (all rows are cached
+        and nothing after reads the others): in prefill, the last layers' top-k and attention run once per chunk,
+        not per token. A trace observes every row, so a traced forward computes them all.
         """
         positions = segment_positions(segments, self.device)
         cos, sin = rope_cos_sin(rope_frequencies(self.cfg, self.lerope.alpha), positions, self.dtype)
         b = AttentionBatch(segments, segment_slices(segments), positions, kv, cos, sin, {}, trace)
+        keep, rows = None, logits_at                  # rows: logits_at as indices into the final h
+        if logits_at is not None and trace is None:
+            keep, rows = torch.unique(logits_at, return_inverse=True)
         kv.begin_step(segments)
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
-            h = layer(h, b)
+            h = layer(h, b, keep if layer.spec.index == self.last_writer else None)
             if trace is not None and layer.spec.index in trace.tap_layers:
                 trace.taps[layer.spec.index] = h
         kv.end_step()
-        return self.head(h if logits_at is None else h[logits_at])
+        return self.head(h if rows is None else h[rows])
