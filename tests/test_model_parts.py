@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import full_forward, kv_for, random_tokens, selection_sets, tiny_model
+from hisparse.gpu_working_set.hisparse_kv import HiSparseKV
 from hisparse.model.batch import ForwardTrace, Segment
 from hisparse.model.config import ModelConfig, preset_params
 from hisparse.model.ml4 import ML4
@@ -108,17 +109,23 @@ CONSUMER_LAST = {"kv_source_layers": [0, 1, 2, 3, 4, 5, 6, 3], "index_source_lay
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("variant", ["tiny", "consumer-last"])
-def test_rows_without_logits_skip_the_last_layers(dtype: torch.dtype, variant: str, seed: int) -> None:
+@pytest.mark.parametrize("store", ["resident", "hisparse"])
+def test_rows_without_logits_skip_the_last_layers(dtype: torch.dtype, variant: str, store: str, seed: int) -> None:
     """With logits_at, layers from the last cache writer on compute only those rows: every step's logits equal
     the rows of a traced forward that computes every row, on a KV fed the same steps (so the caches agree too).
-    Steps mix prefill chunks without logits, chunk ends, decode rows and a 3-row verify-like segment."""
+    Steps mix prefill chunks without logits, chunk ends, decode rows and a 3-row verify-like segment. Under
+    HiSparse (hot buffer 4, window 4) the consumer-last variant's layer 7 gathers a subset of the rows its index
+    group owner (layer 4) planned for every row."""
     model = tiny_model(seed, dtype, **(CONSUMER_LAST if variant == "consumer-last" else {}))
     assert model.last_writer == (7 if variant == "tiny" else 6)
     toks = {"a": random_tokens(T, model.cfg.vocab_size, seed), "b": random_tokens(40, model.cfg.vocab_size, seed + 1)}
     steps = [  # (req, start, length, logit rows at the segment's end)
         [("a", 0, 13, 0)], [("b", 0, 9, 0), ("a", 13, 11, 1)], [("a", 24, 6, 3), ("b", 9, 20, 0)],
         [("b", 29, 3, 1), ("a", 30, 2, 1)], [("a", 32, 1, 1), ("b", 32, 5, 0)], [("b", 37, 3, 3)]]
-    kv_trim, kv_full = kv_for(model), kv_for(model)
+    kv_full = kv_for(model, "fp8_ds_mla")
+    kv_trim = kv_for(model, "fp8_ds_mla") if store == "resident" else HiSparseKV(
+        model.cfg, "fp8_ds_mla", dtype=dtype, host_pool_gib=0.002, hot_buffer_tokens=4, resident_window=4,
+        sink_tokens=2, page_tokens=8)
     for step in steps:
         segs = [Segment(r, s, n) for r, s, n, _ in step]
         tokens = torch.cat([toks[r][s:s + n] for r, s, n, _ in step])

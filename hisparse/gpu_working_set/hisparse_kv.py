@@ -114,16 +114,24 @@ class HiSparseKV(LatentKV):
         self.stats.device_to_host_bytes += data.numel()
 
     def gather(self, layer: int, req: Hashable, positions: torch.Tensor) -> torch.Tensor:
+        """Rows [n, r + dR] of sorted unique positions [n]: the group owner's, or (a member past the rows the
+        forward narrowed to, see AttentionBatch.narrow_) a subset of them."""
         group = self.cfg.layers[layer].index_source
+        positions = positions.to(self.device)
         g = self.groups.get((group, req))
         if g is None:
-            g = self.groups[(group, req)] = self.plan_group(group, req, positions.to(self.device))
-        elif not torch.equal(g.positions, positions.to(self.device)):
-            raise RuntimeError(f"layer {layer}: selection differs from its index group owner {group}")
+            g = self.groups[(group, req)] = self.plan_group(group, req, positions)
+        subset = None
+        if not torch.equal(g.positions, positions):
+            subset = torch.searchsorted(g.positions, positions).clamp(max=max(0, g.positions.numel() - 1))
+            if not g.positions.numel() or not torch.equal(g.positions[subset], positions):
+                raise RuntimeError(f"layer {layer}: selection is not within its index group owner {group}'s")
         rows, event = g.rows.pop(layer)
         self.copier.wait(event)
         if g.step_idx.numel():     # rows written earlier in this very forward
             rows[g.step_idx] = self.step_rows[(self.source(layer), req)][g.positions[g.step_idx] - g.start]
+        if subset is not None:
+            rows = rows[subset]
         self.stats.hits += g.positions.numel() - g.n_misses
         self.stats.misses += g.n_misses
         self.stats.host_to_device_bytes += g.n_misses * self.layout.row_bytes
