@@ -27,7 +27,7 @@ from hisparse.connector.settings import HiSparseConfigError, HiSparseSettings
 from hisparse.connector.state import AdmissionState, StepPlan, WorkerState
 from hisparse.engine.generate import greedy_generate
 from hisparse.engine.kv_factory import build_kv
-from hisparse.model.batch import Segment
+from hisparse.model.batch import ForwardTrace, Segment
 from hisparse.model.config import preset
 from hisparse.model.kv import KVStats
 from hisparse.model.tiny import make_tiny
@@ -217,13 +217,14 @@ def server(ckpt, tmp_path_factory):
 
 def reference(model_dir: Path, prompts: list[list[int]], budgets: list[int]) -> tuple[list[list[int]], KVStats]:
     """hisparse's own greedy generation (HiSparseKV, same settings; budgets: max_tokens per prompt), one request at a
-    time; summed counters."""
+    time; summed counters. Traced, so that prefill computes every row as the connector does (vLLM's model forward
+    returns every row's hidden state), not only the rows that need logits."""
     model = load_model(model_dir)
     total, out = KVStats(), []
     for p, max_tokens in zip(prompts, budgets):
         kv = build_kv(model.cfg, offload="hisparse", host_pool_gib=EXTRA["host_pool_gib"],
                       hot_buffer_tokens=EXTRA["hot_buffer_tokens"], resident_window=EXTRA["resident_window"])
-        out.append(greedy_generate(model, kv, p, max_tokens).tokens)
+        out.append(greedy_generate(model, kv, p, max_tokens, trace=ForwardTrace()).tokens)
         for k in vars(total):
             setattr(total, k, getattr(total, k) + getattr(kv.stats, k))
     return out, total
