@@ -2,9 +2,10 @@
 
 Only rank 0 schedules, drafts and samples. Before each forward it broadcasts a `StepMessage`: the state changes
 since the last message that the followers must mirror (`Op`s: a finished request's release, a speculative
-rollback, a draft-window update from the last forward) and the step itself as a `ReplayStep` (segments and their
-token ids, drafts included). Token ids always come from rank 0, so a follower cannot drift onto other tokens.
-After every message all ranks all-gather `RankPool` numbers about their own stores (per-rank metrics).
+rollback, a draft-window update from the last forward) and the step itself as a `ReplayStep` (segments, their
+token ids, drafts included, and the rows that need logits). Token ids always come from rank 0, so a follower
+cannot drift onto other tokens. After every message all ranks all-gather `RankPool` numbers about their own
+stores (per-rank metrics).
 """
 
 from __future__ import annotations
@@ -33,8 +34,10 @@ class RequestRef:
 
 @dataclass
 class ReplayStep(ScheduledStep):
-    """Rank 0's step as followers run it: the token ids are given, and no logits are computed."""
+    """Rank 0's step as followers run it: the token ids and the rows that need logits are given. The rows must be
+    rank 0's: from the model's last cache writer on only they are computed, collectives included."""
     tokens: list[list[int]] = field(default_factory=list)     # per segment: its token ids, drafts included
+    rows: list[int] = field(default_factory=list)             # per segment: rank 0's logit_rows()
 
     @classmethod
     def of(cls, step: ScheduledStep) -> "ReplayStep":
@@ -42,16 +45,18 @@ class ReplayStep(ScheduledStep):
         ends = list(accumulate(s.length for s in step.segments))
         n = len(step.reqs)
         return cls([RequestRef(r.id) for r in step.reqs], list(step.segments), list(step.num_drafts),
-                   [[] for _ in range(n)], [None] * n, [ids[e - s.length:e] for s, e in zip(step.segments, ends)])
+                   [[] for _ in range(n)], [None] * n, [ids[e - s.length:e] for s, e in zip(step.segments, ends)],
+                   step.logit_rows())
 
     def token_ids(self) -> list[int]:
         return [t for seg in self.tokens for t in seg]
 
     def logit_rows(self) -> list[int]:
-        return [0] * len(self.reqs)
+        return list(self.rows)
 
     def only(self, i: int) -> "ReplayStep":
-        return ReplayStep([self.reqs[i]], [self.segments[i]], [self.num_drafts[i]], [[]], [None], [self.tokens[i]])
+        return ReplayStep([self.reqs[i]], [self.segments[i]], [self.num_drafts[i]], [[]], [None], [self.tokens[i]],
+                          [self.rows[i]])
 
 
 @dataclass
