@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 import torch
@@ -43,7 +44,7 @@ class AttentionBatch:
         selections already made follow the kept rows."""
         bounds = torch.tensor([sl.stop for sl in self.slices], device=keep.device)
         counts = torch.bincount(torch.bucketize(keep, bounds, right=True), minlength=len(self.slices)).tolist()
-        firsts = [sum(counts[:i]) for i in range(len(counts))]
+        firsts = list(accumulate(counts, initial=0))[:-1]
         local = [keep[f:f + n] - sl.start for f, n, sl in zip(firsts, counts, self.slices)]
         self.selections = {l: [sel[i] for sel, i in zip(sels, local)] for l, sels in self.selections.items()}
         self.slices = [slice(f, f + n) for f, n in zip(firsts, counts)]
