@@ -103,12 +103,15 @@ def test_logits_at_selects_rows(tiny64: ML4, seed: int) -> None:
     torch.testing.assert_close(part, full[rows], rtol=1e-13, atol=1e-13)
 
 
-# a tiny variant whose last layer caches nothing: a NoPE KV consumer of layer 3 that shares layer 4's selection
+# tiny variants whose last layer caches nothing: a NoPE KV consumer of layer 3 that shares layer 4's selection, so
+# the narrowing happens at the RoPE layer 6; with per-layer LeRoPE that layer's own rope tables are narrowed too
 CONSUMER_LAST = {"kv_source_layers": [0, 1, 2, 3, 4, 5, 6, 3], "index_source_layers": [0, 1, 1, 3, 4, 4, 4, 4]}
+VARIANTS = {"tiny": {}, "consumer-last": CONSUMER_LAST,
+            "consumer-last-lerope": {**CONSUMER_LAST, "lerope": {"per_layer": True}}}
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("variant", ["tiny", "consumer-last"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("store", ["resident", "hisparse"])
 def test_rows_without_logits_skip_the_last_layers(dtype: torch.dtype, variant: str, store: str, seed: int) -> None:
     """With logits_at, layers from the last cache writer on compute only those rows: every step's logits equal
@@ -116,7 +119,7 @@ def test_rows_without_logits_skip_the_last_layers(dtype: torch.dtype, variant: s
     Steps mix prefill chunks without logits, chunk ends, decode rows and a 3-row verify-like segment. Under
     HiSparse (hot buffer 4, window 4) the consumer-last variant's layer 7 gathers a subset of the rows its index
     group owner (layer 4) planned for every row."""
-    model = tiny_model(seed, dtype, **(CONSUMER_LAST if variant == "consumer-last" else {}))
+    model = tiny_model(seed, dtype, **VARIANTS[variant])
     assert model.last_writer == (7 if variant == "tiny" else 6)
     toks = {"a": random_tokens(T, model.cfg.vocab_size, seed), "b": random_tokens(40, model.cfg.vocab_size, seed + 1)}
     steps = [  # (req, start, length, logit rows at the segment's end)

@@ -86,14 +86,17 @@ class MLA(nn.Module):
         self.lerope = LeRoPE(cfg.qk_rope_head_dim) if (cfg.lerope_per_layer and spec.rope) else None
         self.indexer = Indexer(cfg, spec) if spec.index_owner else None
 
-    def rope_tables(self, b: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope_tables(self, b: AttentionBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """This layer's (cos, sin) [N, dR/2]: None on NoPE layers, the batch's unless the layer has its own LeRoPE.
+        Block computes them once for `write` and `forward` (per-layer LeRoPE costs a table per row)."""
+        if not self.spec.rope:
+            return None, None
         if self.lerope is None:
             return b.cos, b.sin
         return rope_cos_sin(rope_frequencies(self.cfg, self.lerope.alpha), b.positions, b.cos.dtype)
 
-    def write(self, x: torch.Tensor, b: AttentionBatch) -> None:
+    def write(self, x: torch.Tensor, b: AttentionBatch, cos: torch.Tensor | None, sin: torch.Tensor | None) -> None:
         """Cache what this layer contributes for every row of x [N, D]: latents (KV owner), indexer keys (owner)."""
-        cos, sin = self.rope_tables(b) if self.spec.rope else (None, None)
         if self.spec.kv_owner:
             self.write_latents(x, b, cos, sin)
         if self.indexer is not None:
@@ -104,11 +107,11 @@ class MLA(nn.Module):
                 for seg, sl in zip(b.segments, b.slices):
                     b.kv.index_cache.write(self.spec.index, seg.req, b.positions[sl], k[sl])
 
-    def forward(self, x: torch.Tensor, b: AttentionBatch) -> torch.Tensor:   # x [N, D] -> [N, D]
+    def forward(self, x: torch.Tensor, b: AttentionBatch, cos: torch.Tensor | None,
+                sin: torch.Tensor | None) -> torch.Tensor:   # x [N, D], cos/sin [N, dR/2] -> [N, D]
         """Attention of the query rows x (after `write`: a query sees its own position's latent and key)."""
         cfg, spec = self.cfg, self.spec
         H, dN, r = cfg.n_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
-        cos, sin = self.rope_tables(b) if spec.rope else (None, None)
         q = self.wq(x).view(-1, H, self.q_head_dim)
         q_nope, q_rope = q[..., :dN], (apply_rope(q[..., dN:], cos, sin) if spec.rope else None)
         if self.ssmax_scaling is not None:

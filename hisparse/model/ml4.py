@@ -33,13 +33,15 @@ class Block(nn.Module):
         """h [N, D] -> [N, D]; with `keep` (ascending row indices), the layer caches every row but computes only
         the kept ones -> [len(keep), D], and narrows `b` to them for the layers after it."""
         x = self.attention_norm(h)
-        self.attention.write(x, b)
+        cos, sin = self.attention.rope_tables(b)
+        self.attention.write(x, b, cos, sin)
         if keep is not None:
             h, x = h[keep], x[keep]
+            cos, sin = (None, None) if cos is None else (cos[keep], sin[keep])
             b.narrow_(keep)
         if not h.shape[0]:       # no row left to compute (a prefill chunk that needs no logits)
             return h
-        h = h + self.attention(x, b)
+        h = h + self.attention(x, b, cos, sin)
         ffn = self.feed_forward if self.spec.ffn == "dense" else self.moe
         return h + ffn(self.ffn_norm(h))
 
