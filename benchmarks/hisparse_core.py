@@ -111,15 +111,16 @@ def device_bytes_vs_context(lengths: list[int]) -> list[dict]:
             kv.begin_step([Segment(0, s, m)])
             pos = torch.arange(s, s + m)
             for layer in cfg.kv_owner_layers:
-                kv.write(layer, 0, pos, torch.randn(m, cfg.latent_dim))
+                kv.write(layer, torch.zeros(m, dtype=torch.long), pos, torch.randn(m, cfg.latent_dim))
             kv.end_step()
+        seg = torch.zeros(1, dtype=torch.long)
         for _ in range(4):                                   # a few decode-like gathers through every layer
             kv.begin_step([Segment(0, n, 1)])
             for layer in cfg.kv_owner_layers:
-                kv.write(layer, 0, torch.tensor([n]), torch.randn(1, cfg.latent_dim))
-            sel = torch.randperm(n)[: cfg.index_topk].sort().values
+                kv.write(layer, seg, torch.tensor([n]), torch.randn(1, cfg.latent_dim))
+            sel = torch.randperm(n)[None, : cfg.index_topk].sort().values
             for layer in range(cfg.n_layers):
-                kv.gather(layer, 0, sel)
+                kv.gather(layer, seg, sel)(0, 1)
             kv.end_step()
             n += 1
         db = kv.device_bytes(0)

@@ -40,12 +40,12 @@ def random_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list
 def assert_clean(kv) -> None:
     """Every reservation, row, key and slot is back (invariant 6)."""
     assert kv.reserved == {}
-    assert kv.index_cache.nbytes() == 0
+    assert kv.index_cache_bytes() == 0
     if hasattr(kv, "pool"):
         assert kv.pool.pages_used == 0 and kv.pool.tables == {}
-        assert not kv.hot_data and not kv.hot_state and not kv.windows
+        assert not kv.slot_of and all((h.pos[:-1] < 0).all() for h in kv.hot.values())
     else:
-        assert kv.rows.nbytes() == 0
+        assert kv.latent_bytes() == 0
 
 
 @pytest.fixture(scope="module")
@@ -107,10 +107,11 @@ class FaultyKV(ResidentKV):
         super().__init__(*a, **k)
         self.bad, self.at = bad, at
 
-    def write(self, layer, req, positions, rows):
-        if req == self.bad and int(positions.max()) >= self.at:
+    def write(self, layer, seg, positions, rows):
+        bad = [i for i, r in enumerate(self.tables.reqs) if r == self.bad]
+        if bad and bool(((seg == bad[0]) & (positions >= self.at)).any()):
             raise RuntimeError("injected device failure")
-        super().write(layer, req, positions, rows)
+        super().write(layer, seg, positions, rows)
 
 
 def test_abort_and_failure_touch_no_neighbour(seed: int) -> None:

@@ -58,8 +58,8 @@ class NoisyDrafter(DSparkDrafter):
 
 
 class CheckedKV(HiSparseKV):
-    """HiSparseKV that checks that every (layer, request) gathers once per step, the union of its segment's
-    selections (a verify segment's rows are resolved together), and records the highest position written."""
+    """HiSparseKV that checks that every layer gathers once per step for the whole batch (a verify segment's rows
+    are resolved together with every other request's), and records the highest position written per request."""
 
     def __init__(self, *a, **k):
         super().__init__(*a, **k)
@@ -70,15 +70,17 @@ class CheckedKV(HiSparseKV):
         super().begin_step(segments)
         self.gathers.clear()
 
-    def write(self, layer, req, positions, rows):
-        self.max_pos[req] = max(self.max_pos.get(req, -1), int(positions.max()))
-        super().write(layer, req, positions, rows)
+    def write(self, layer, seg, positions, rows):
+        for i, req in enumerate(self.tables.reqs):
+            mine = positions[seg == i]
+            if mine.numel():
+                self.max_pos[req] = max(self.max_pos.get(req, -1), int(mine.max()))
+        super().write(layer, seg, positions, rows)
 
-    def gather(self, layer, req, positions):
-        self.gathers[(layer, req)] += 1
-        assert self.gathers[(layer, req)] == 1, f"layer {layer}: request {req} gathered twice in one step"
-        assert positions.unique().numel() == positions.numel()
-        return super().gather(layer, req, positions)
+    def gather(self, layer, seg, sel):
+        self.gathers[layer] += 1
+        assert self.gathers[layer] == 1, f"layer {layer}: gathered twice in one step"
+        return super().gather(layer, seg, sel)
 
 
 def checked_kv(model) -> CheckedKV:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -40,7 +42,7 @@ def test_on_equals_off_bit_identical(model, layout):
     s = kv.stats
     assert s.misses > 1000 and s.hits > 0 and s.overlapped_copies > 0     # the host pool really served rows
     assert s.host_to_device_bytes == s.misses * RowLayout.for_config(model.cfg, layout).row_bytes
-    assert kv.pool.pages_used == 0 and not kv.hot_state and not kv.windows   # all returned
+    assert kv.pool.pages_used == 0 and not kv.slot_of and all((h.pos[:-1] < 0).all() for h in kv.hot.values())
 
 
 def test_batched_requests_match_resident(model):
@@ -75,9 +77,10 @@ def test_resident_positions_never_take_a_slot(model):
     prompt = torch.randint(0, model.cfg.vocab_size, (120,)).tolist()
     from hisparse.engine.generate import prefill
     prefill(model, kv, "r", prompt, chunk=17)
-    lo = kv.bounds["r"].lo
-    for state in kv.hot_state.values():
-        held = state.slot_pos[state.slot_pos >= 0]
+    slot = kv.slot_of["r"]
+    lo = int(kv.win_lo[slot])
+    for hot in kv.hot.values():
+        held = hot.held(slot)
         assert held.numel() > 0 and bool(((held >= 4) & (held < lo)).all())
     kv.release("r")
 
@@ -90,7 +93,7 @@ def test_cancel_and_finish_return_pool_to_baseline(model):
     prefill(model, kv, "a", torch.randint(0, 512, (100,)).tolist(), chunk=40)   # "cancelled" mid-request
     assert kv.pool.pages_used > base and kv.usage_ratio() > 0
     kv.release("a")
-    assert kv.pool.pages_used == base and kv.usage_ratio() == 0 and not kv.index_cache.buffers
+    assert kv.pool.pages_used == base and kv.usage_ratio() == 0 and kv.index_cache_bytes() == 0
 
 
 def test_exhaustion_is_named_and_leaves_others_untouched(model):
@@ -138,3 +141,38 @@ def test_full_geometry_and_consumer_binding():
     for consumer in (39, 43, 71):                                           # bound to layer 35's rows
         assert pool.layer_view(consumer).data_ptr() == pool.layer_view(35).data_ptr()
     assert pool.layer_view(36).data_ptr() != pool.layer_view(35).data_ptr()
+
+
+SEAM = ("write", "write_keys", "select", "gather", "attend")
+
+
+def counting(base):
+    """A LatentKV class that counts its seam calls per step."""
+    class Counting(base):
+        def begin_step(self, segments):
+            super().begin_step(segments)
+            self.calls = Counter()
+
+    for name in SEAM:
+        def op(self, *a, _name=name, **k):
+            self.calls[_name] += 1
+            return getattr(base, _name)(self, *a, **k)
+        setattr(Counting, name, op)
+    return Counting
+
+
+@pytest.mark.parametrize("base", [ResidentKV, HiSparseKV])
+def test_seam_calls_per_layer_do_not_grow_with_the_batch(model, base):
+    """A decode step of 1 and of 16 requests makes the same KV seam calls: one per layer and operation."""
+    cfg = model.cfg
+    counts = []
+    for n in (1, 16):
+        kv = counting(base)(cfg, "fp8_ds_mla", **({"host_pool_gib": 0.01} if base is HiSparseKV else {}))
+        prompts = torch.randint(0, cfg.vocab_size, (n, 20))
+        model(prompts.flatten(), [Segment(r, 0, 20) for r in range(n)], kv)
+        model(prompts[:, -1], [Segment(r, 20, 1) for r in range(n)], kv)
+        counts.append(dict(kv.calls))
+    attending = cfg.n_layers
+    assert counts[0] == counts[1] == {"write": len(cfg.kv_owner_layers), "write_keys": len(cfg.index_owner_layers),
+                                      "select": len(cfg.index_owner_layers), "gather": attending,
+                                      "attend": attending}

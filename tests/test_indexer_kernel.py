@@ -15,7 +15,7 @@ from conftest import full_forward, random_tokens, tiny_model
 from hisparse.model import indexer as indexer_module
 from hisparse.model.batch import ForwardTrace, Segment
 from hisparse.model.indexer import index_scores, select_topk
-from hisparse.model.kernels.indexer_topk import Build, fused_topk
+from hisparse.model.kernels.indexer_topk import Build, fused_topk, fused_topk_paged
 from hisparse.model.kv import ResidentKV
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -98,6 +98,104 @@ def test_fused_rejects_bad_inputs() -> None:
         fused_topk(q, wr, torch.zeros(5, 3), torch.tensor([1, 2]), 3)
     with pytest.raises(RuntimeError, match="fp32/fp64"):
         fused_topk(q.bfloat16(), wr.bfloat16(), keys.bfloat16(), torch.tensor([1, 2]), 3)
+
+
+def paged_case(g: torch.Generator, dtype: torch.dtype, kind: str, page_tokens: int, grouped: bool
+               ) -> tuple[torch.Tensor, ...]:
+    """A batch over several segments whose pages lie shuffled in one arena (with unused pages between them):
+    q [T, HI, dI], wr [T, HI], arena [N, dI], table [n_seg, P] (-1 past a segment's pages, never read),
+    row_seg [T] (interleaved in random order, or grouped in runs), n_visible [T] (0 .. the segment's keys; 0 and
+    the full length for some rows of every segment; one segment fills the whole table, so some row sees S)."""
+    n_seg = int(torch.randint(1, 6, (1,), generator=g))
+    P = int(torch.randint(1, max(2, 1000 // page_tokens), (1,), generator=g))
+    HI = int(torch.randint(1, 6, (1,), generator=g))
+    dI = [8, 16, int(torch.randint(1, 24, (1,), generator=g))][int(torch.randint(0, 3, (1,), generator=g))]
+    pages = torch.randint(0, P + 1, (n_seg,), generator=g)
+    pages[0] = P
+    n_pages = int(pages.sum()) + int(torch.randint(0, 4, (1,), generator=g))   # spare pages: never read
+    ids = torch.randperm(n_pages, generator=g)
+    table = torch.full((n_seg, P), -1, dtype=torch.int64)
+    for s, start in enumerate((torch.cumsum(pages, 0) - pages).tolist()):
+        table[s, : pages[s]] = ids[start:start + pages[s]]
+    T = int(torch.randint(1, 300 if grouped else 60, (1,), generator=g))
+    q, wr, arena, _ = random_case(g, dtype, kind, T, n_pages * page_tokens, HI, dI)
+    row_seg = torch.randint(0, n_seg, (T,), generator=g)
+    row_seg[: min(T, 2 * n_seg)] = torch.arange(min(T, 2 * n_seg)) % n_seg
+    row_seg = row_seg.sort().values if grouped else row_seg[torch.randperm(T, generator=g)]
+    length = pages[row_seg] * page_tokens
+    n_visible = (torch.rand(T, generator=g, dtype=torch.float64) * (length + 1)).long().clamp(max=length)
+    for s in range(n_seg):   # the first row of a segment sees nothing, the second all its keys
+        rows = (row_seg == s).nonzero().flatten()
+        n_visible[rows[:1]] = 0
+        n_visible[rows[1:2]] = length[rows[1:2]]
+    return q, wr, arena, table, row_seg, n_visible
+
+
+@pytest.mark.parametrize("build", [Build(), Build(vec_bytes=32), Build(filter=False)],
+                         ids=["default", "256bit", "unfiltered"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("page_tokens", [1, 8, 12, 16, 64])
+def test_paged_equals_contiguous(seed: int, page_tokens: int, dtype: torch.dtype, build: Build) -> None:
+    """fused_topk_paged gives, row by row, what fused_topk gives on the row's segment's keys gathered in logical
+    order (pages padded to the table's S, so the output widths agree): columns and bit-identical scores."""
+    g = torch.Generator().manual_seed(seed)
+    for it in range(4):
+        kind = ["normal", "ties"][it % 2]
+        q, wr, arena, table, row_seg, n_visible = paged_case(g, dtype, kind, page_tokens, grouped=it >= 2)
+        k = int(torch.randint(1, 48, (1,), generator=g))
+        cols, scores = fused_topk_paged(q, wr, arena, table, page_tokens, row_seg, n_visible, k, with_scores=True,
+                                        build=build)
+        S = table.shape[1] * page_tokens
+        assert cols.shape == scores.shape == (q.shape[0], min(k, S))
+        pages = arena.view(-1, page_tokens, arena.shape[1])
+        for s in range(table.shape[0]):
+            rows = (row_seg == s).nonzero().flatten()
+            keys = pages[table[s].clamp(min=0)].reshape(S, -1)   # pages past the segment's: arbitrary, unseen
+            want_cols, want_scores = fused_topk(q[rows], wr[rows], keys, n_visible[rows], k, with_scores=True,
+                                                build=build)
+            case = f"{kind} segment {s} rows {rows.tolist()} S={S} k={k} dI={q.shape[2]} HI={q.shape[1]}"
+            assert torch.equal(cols[rows], want_cols), case
+            assert torch.equal(scores[rows], want_scores), case
+        assert torch.equal((cols >= 0).sum(1), n_visible.clamp(max=k))
+
+
+def test_paged_threads_and_torch_path(seed: int) -> None:
+    """Two threads select what one does on interleaved segments, and that is the torch path's selection on
+    each segment's gathered keys."""
+    g = torch.Generator().manual_seed(seed)
+    q, wr, arena, table, row_seg, n_visible = paged_case(g, torch.float32, "ties", 16, grouped=False)
+    one = fused_topk_paged(q, wr, arena, table, 16, row_seg, n_visible, 16)[0]
+    torch.set_num_threads(2)
+    assert torch.equal(fused_topk_paged(q, wr, arena, table, 16, row_seg, n_visible, 16)[0], one)
+    S = table.shape[1] * 16
+    for s in range(table.shape[0]):
+        rows = (row_seg == s).nonzero().flatten()
+        keys = arena.view(-1, 16, arena.shape[1])[table[s].clamp(min=0)].reshape(S, -1)
+        assert torch.equal(one[rows], torch_topk(q[rows], wr[rows], keys, n_visible[rows], 16)[0]), f"segment {s}"
+
+
+def test_paged_rejects_bad_inputs() -> None:
+    q, wr, arena = torch.zeros(2, 2, 4), torch.zeros(2, 2), torch.zeros(12, 4)
+    table, row_seg, n_vis = torch.tensor([[2, 0], [1, -1]]), torch.tensor([0, 1]), torch.tensor([8, 4])
+    fused_topk_paged(q, wr, arena, table, 4, row_seg, n_vis, 3)   # valid: -1 lies past segment 1's keys
+    bad = {
+        "table": dict(table=table.int()),
+        "row_seg": dict(row_seg=torch.tensor([0, 2])),
+        "n_visible": dict(n_visible=torch.tensor([9, 4])),
+        "wr": dict(wr=torch.zeros(2, 3)),
+        "keys": dict(keys=torch.zeros(12, 3)),
+        "page_tokens": dict(page_tokens=0),
+    }
+    args = dict(q=q, wr=wr, keys=arena, table=table, page_tokens=4, row_seg=row_seg, n_visible=n_vis, k=3)
+    for name, change in bad.items():
+        with pytest.raises(ValueError, match=name):
+            fused_topk_paged(**{**args, **change})
+    with pytest.raises(ValueError, match=r"table\[1, 1\]"):   # segment 1 reads its second page
+        fused_topk_paged(**{**args, "n_visible": torch.tensor([8, 5])})
+    with pytest.raises(ValueError, match=r"table\[0, 0\]"):   # page 2 = arena rows 8..11: too few rows
+        fused_topk_paged(**{**args, "keys": torch.zeros(11, 4)})
+    with pytest.raises(ValueError, match="float32 or float64"):
+        fused_topk_paged(**{**args, "q": q.bfloat16(), "wr": wr.bfloat16(), "keys": arena.bfloat16()})
 
 
 def test_torch_path_against_sort_and_spec(seed: int) -> None:

@@ -118,8 +118,10 @@ def main() -> None:
     rows = []
     for mode in ("none", "hisparse"):
         for c in conc:
-            if mode == "none":
-                kv = ResidentKV(cfg, args.kv_layout, args.device, budget_tokens=limits["none"] * length)
+            if mode == "none":   # the budget in the store's page-rounded reservations of `length` tokens each
+                page = ResidentKV(cfg, args.kv_layout, args.device).page_tokens
+                kv = ResidentKV(cfg, args.kv_layout, args.device,
+                                budget_tokens=limits["none"] * -(-length // page) * page)
                 seqs = c
             else:
                 kv = hisparse_kv()

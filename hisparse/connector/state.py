@@ -107,7 +107,7 @@ class WorkerState:
             raise RuntimeError(f"hisparse: batch rows with first KV blocks {unknown} belong to no request the "
                                "connector admitted")
         segs = [Segment(self.req_of_block[b], s, t) for b, s, t in zip(firsts, starts, lengths)]
-        if not torch.equal(segment_positions(segs, positions.device), positions[: sum(lengths)].long()):
+        if not torch.equal(segment_positions(segs, positions.device)[0], positions[: sum(lengths)].long()):
             raise RuntimeError("hisparse: vLLM's positions disagree with the request segments")
         return segs
 

@@ -14,37 +14,69 @@ any context is the largest; the scheduler runs on rank 0, and a reservation that
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 import torch
 
 from ..model.batch import Segment
-from ..model.kv import LatentKV
+from ..model.indexer import Indexer, paged_topk
+from ..model.kv import LatentKV, RowSource
 from .context import DCPContext
 
 
 class ShardedKV(LatentKV):
     def __init__(self, inner: LatentKV, dcp: DCPContext):
-        super().__init__(inner.cfg, None, inner.device, inner.dtype)
         self.inner, self.dcp, self.sharding = inner, dcp, dcp.sharding
-        self.layout, self.index_cache, self.stats = inner.layout, inner.index_cache, inner.stats   # local-keyed
-        self.page_tokens = inner.page_tokens
+        self.cfg, self.device, self.dtype = inner.cfg, inner.device, inner.dtype
+        self.layout, self.pages, self.page_tokens = inner.layout, inner.pages, inner.page_tokens
+        self.index_keys, self.stats = inner.index_keys, inner.stats   # local-keyed
+        self.reserved: dict[Hashable, int] = {}
 
-    # ---- rows: global positions in, local indices to the inner store ----
-    def write(self, layer: int, req: Hashable, positions: torch.Tensor, rows: torch.Tensor) -> None:
-        """Keep the rows [T, r + dR] of the positions [T] this rank owns; drop the rest."""
-        own = self.sharding.owner(positions) == self.sharding.rank
-        if bool(own.any()):
-            self.inner.write(layer, req, self.sharding.local(positions[own]), rows[own])
+    @property
+    def tables(self):
+        return self.inner.tables
 
-    def gather(self, layer: int, req: Hashable, positions: torch.Tensor) -> torch.Tensor:
-        """Rows [n, r + dR] of owned positions [n] (a position owned by another rank is an error)."""
+    # ---- the batch seam: global positions in, local indices to the inner store ----
+    def _owned(self, seg: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(row indices, segments, local indices) of the rows whose positions this rank owns."""
+        own = (self.sharding.owner(positions) == self.sharding.rank).nonzero().squeeze(1)
+        return own, seg[own], self.sharding.local(positions[own])
+
+    def write(self, layer: int, seg: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> None:
+        """Keep the rows [n, r + dR] of the positions this rank owns; drop the rest."""
+        own, s, local = self._owned(seg, positions)
+        self.inner.write(layer, s, local, rows[own])
+
+    def write_keys(self, layer: int, seg: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor) -> None:
+        own, s, local = self._owned(seg, positions)
+        self.inner.write_keys(layer, s, local, keys[own])
+
+    def select(self, layer: int, indexer: Indexer, q: torch.Tensor, w: torch.Tensor, seg: torch.Tensor,
+               positions: torch.Tensor) -> torch.Tensor:
+        """Sel(t) [n, k]: this rank's exact local top-k over its own keys (key j is visible to t iff
+        j < count_owned(p_t + 1); the scores are the single-rank ones bit for bit), merged across ranks."""
+        sh, t = self.sharding, self.inner.tables
+        cols, scores = paged_topk(indexer, q, w, self.index_keys.data[layer], t.pages, self.page_tokens, seg,
+                                  sh.count_owned(positions + 1), t.max_end, with_scores=True)
+        where = sh.global_of(cols.clamp(min=0)).masked_fill(cols < 0, -1)
+        return self.dcp.merge_topk(scores, where, indexer.topk, layer)
+
+    def gather(self, layer: int, seg: torch.Tensor, sel: torch.Tensor) -> RowSource:
+        """Rows of owned selected positions (global); positions owned elsewhere read as empty (-1)."""
         sh = self.sharding
-        if not bool((sh.owner(positions) == sh.rank).all()):
-            raise ValueError(f"DCP rank {sh.rank}: layer {layer} gathered positions this rank does not own")
-        return self.inner.gather(layer, req, sh.local(positions))
+        mine = (sel >= 0) & (sh.owner(sel) == sh.rank)
+        return self.inner.gather(layer, seg, torch.where(mine, sh.local(sel.clamp(min=0)), -1))
 
-    def begin_step(self, segments: list) -> None:
+    def attend(self, layer: int, q_lat: torch.Tensor, q_rope: torch.Tensor | None, seg: torch.Tensor,
+               sel: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Partial attention over Sel(t) ∩ Own_r, LSE-combined across ranks (lse: this rank's partial)."""
+        sh = self.sharding
+        mine = (sel >= 0) & (sh.owner(sel) == sh.rank)
+        local = torch.where(mine, sh.local(sel.clamp(min=0)), -1)
+        olat, lse = self.inner.attend(layer, q_lat, q_rope, seg, local, scale)
+        return self.dcp.combine(olat, lse, layer), lse
+
+    def begin_step(self, segments: Sequence) -> None:
         local = []
         for seg in segments:
             a, b = self.sharding.local_range(seg.start, seg.start + seg.length)

@@ -182,7 +182,7 @@ class Engine:
         stats.num_running, stats.num_waiting = len(self.scheduler.running), len(self.scheduler.waiting)
         stats.kv_stats, stats.kv_usage = self.kv.stats.snapshot(), self.kv.usage_ratio()
         stats.kv_reserved_tokens = sum(self.kv.reserved.values())
-        stats.kv_index_cache_bytes = self.kv.index_cache.nbytes()
+        stats.kv_index_cache_bytes = self.kv.index_cache_bytes()
         stats.kv_ranks = self.rank_pools()
         if stats.kv_ranks:   # DCP: the cache counters of every rank's store, not only rank 0's
             stats.kv_stats = KVStats(**{k: sum(getattr(p.stats, k) for p in stats.kv_ranks)

@@ -1,40 +1,32 @@
 """HiSparseKV: the LatentKV whose rows live in the host pool, with a small working set on the device.
 
-Per request the device holds: this step's new rows (until the step ends), a resident window (newest W and
-first S tokens per KV-owning layer), one hot buffer of N slots per layer (metadata shared by an index
-group), and the indexer keys. A gather serves each position from the step rows, the window, a hot slot, or
-the host pool (a miss). The index-group owner resolves the plan for all its followers and prefetches their
-misses at once, so the followers' copies overlap the owner's attention. Rows are the same bytes ResidentKV
-stores, so outputs are bit-identical with HiSparse on and off.
+Per request slot the device arena (`arena.DeviceArena`) holds a resident window (newest W and first S tokens
+per KV-owning layer) and one hot buffer of N slots per layer (LRU metadata shared by an index group); this
+step's new rows sit in the arena's step region until the step ends; indexer keys live in the paged key store.
+Every seam call covers the whole batch: `write` stores every request's new rows (and backs them up to the host
+pool), and the first `gather` of an index group resolves every request's selections at once (`resolver.resolve`)
+and copies all misses of every member layer from the host pool in one index_select per layer, so the
+followers' copies overlap the owner's attention. A gather is then one index into the arena. Rows are the same
+bytes ResidentKV stores, so outputs are bit-identical with HiSparse on and off.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-from dataclasses import dataclass, field
+from collections.abc import Hashable, Sequence
 
 import torch
 
+from ..host_pool.layout import RowLayout
+from ..host_pool.pages import paged_rows
 from ..host_pool.pool import HostPool
 from ..model.config import ModelConfig
-from ..model.kv import LatentKV
+from ..model.kv import LatentKV, RowSource
+from .arena import DeviceArena
 from .copier import Copier
-from .resident import ResidentWindow, WindowBounds
-from .resolver import HotState, Plan, resolve
+from .resolver import EXTRA, HotSlots, Plan, resolve
 
 DEFAULT_WINDOW = 64
 DEFAULT_SINKS = 4
-
-
-@dataclass
-class GroupStep:
-    """One (request, index group) in one step: its positions [U], which of them were written this step, and
-    each member layer's rows (window + hot + misses, filled at the owner) with the event to wait on."""
-    positions: torch.Tensor
-    start: int                                   # first position written this step
-    step_idx: torch.Tensor                       # indices into positions of rows written this step
-    n_misses: int = 0
-    rows: dict[int, tuple[torch.Tensor, object | None]] = field(default_factory=dict)
 
 
 class HiSparseKV(LatentKV):
@@ -44,164 +36,162 @@ class HiSparseKV(LatentKV):
                  sink_tokens: int = DEFAULT_SINKS, page_tokens: int = 64):
         if layout is None:
             raise ValueError("kv_layout: HiSparse stores packed rows; choose 'fp8_ds_mla' or 'bf16'")
-        super().__init__(cfg, layout, device, dtype)
-        self.pool = HostPool(cfg, self.layout, host_pool_gib, page_tokens)
-        self.page_tokens = page_tokens
-        self.n_slots = hot_buffer_tokens if hot_buffer_tokens is not None else 2 * cfg.index_topk
-        self.window = DEFAULT_WINDOW if resident_window is None else resident_window
-        self.sinks = sink_tokens
-        if self.n_slots < 0 or self.window < 0 or self.sinks < 0:
+        n_slots = hot_buffer_tokens if hot_buffer_tokens is not None else 2 * cfg.index_topk
+        window = DEFAULT_WINDOW if resident_window is None else resident_window
+        if n_slots < 0 or window < 0 or sink_tokens < 0:
             raise ValueError("hot_buffer_tokens, resident_window and sink tokens must be >= 0")
+        pool = HostPool(cfg, RowLayout.for_config(cfg, layout), host_pool_gib, page_tokens)
+        super().__init__(cfg, layout, device, dtype, pool.pages)
+        self.pool, self.n_slots, self.window, self.sinks = pool, n_slots, window, sink_tokens
         self.copier = Copier(self.device)
         self.members = {o: [l.index for l in cfg.layers if l.index_source == o] for o in cfg.index_owner_layers}
-        self.bounds: dict[Hashable, WindowBounds] = {}
-        self.windows: dict[tuple[int, Hashable], ResidentWindow] = {}     # (kv owner layer, req)
-        self.hot_state: dict[tuple[int, Hashable], HotState] = {}         # (index group, req)
-        self.hot_data: dict[tuple[int, Hashable], torch.Tensor] = {}      # (layer, req) -> [N, row_bytes]
-        self.step_rows: dict[tuple[int, Hashable], torch.Tensor] = {}     # (kv owner layer, req) -> [T, B]
-        self.step_start: dict[Hashable, int] = {}
-        self.step_end: dict[Hashable, int] = {}
-        self.groups: dict[tuple[int, Hashable], GroupStep] = {}
+        self.arena = DeviceArena(range(cfg.n_layers), cfg.kv_owner_layers, n_slots, window, sink_tokens,
+                                 self.layout.row_bytes, self.device)
+        self.hot = {g: HotSlots(n_slots, self.device) for g in cfg.index_owner_layers}
+        self.slot_of: dict[Hashable, int] = {}       # request -> its slot in the arena and the hot metadata
+        self.free_slots: list[int] = []
+        self.win_lo = torch.zeros(0, dtype=torch.long, device=self.device)    # [R] resident window [lo, len)
+        self.win_len = torch.zeros(0, dtype=torch.long, device=self.device)
         self.step = 0
+        self.step_slot = self.step_row0 = None        # [S] per segment: request slot, first row in the step region
+        self.step_rows: tuple[torch.Tensor, torch.Tensor] | None = None   # (seg, positions) of this step's writes
+        self.plans: dict[int, Plan] = {}
+        self.fetched: dict[int, tuple[torch.Tensor, object | None]] = {}   # layer -> (its misses' rows, event)
 
     # ---- capacity ----
     def token_capacity(self) -> int:
         return self.pool.token_capacity
 
     # ---- step lifecycle ----
-    def begin_step(self, segments: list) -> None:
-        for seg in segments:   # allocate first: an exhausted pool fails before any row of the step is written
-            self.pool.ensure(seg.req, seg.start + seg.length)
+    def begin_step(self, segments: Sequence) -> None:
+        super().begin_step(segments)   # pages first: an exhausted pool fails before any row of the step is written
+        for seg in segments:
+            if seg.req not in self.slot_of:
+                self.slot_of[seg.req] = self.free_slots.pop() if self.free_slots else len(self.slot_of)
+        slots = max(self.slot_of.values(), default=-1) + 1
+        self.arena.fit(slots, sum(s.length for s in segments))
+        for h in self.hot.values():
+            h.fit(self.arena.slots)
+        if self.win_len.numel() < self.arena.slots:
+            grow = self.arena.slots - self.win_len.numel()
+            self.win_lo = torch.cat((self.win_lo, self.win_lo.new_zeros(grow)))
+            self.win_len = torch.cat((self.win_len, self.win_len.new_zeros(grow)))
+        self.step_slot = torch.tensor([self.slot_of[s.req] for s in segments], dtype=torch.long, device=self.device)
+        self.step_row0 = self.tables.start.new_zeros(len(segments))
         self.step += 1
         self.stats.steps += 1
-        self.groups.clear()
-        self.step_rows.clear()
-        self.step_start.clear()
-        self.step_end.clear()
+        self.step_rows = None
+        self.plans.clear()
+        self.fetched.clear()
 
     def end_step(self) -> None:
+        """Finish the host backups, then move the step's newest rows into the resident windows (one scatter per
+        KV-owning layer) and advance every written request's window bounds."""
         self.copier.flush()
-        for (layer, req), data in self.step_rows.items():
-            start = self.step_start[req]
-            positions = torch.arange(start, start + data.shape[0], device=self.device)
-            self.window_of(layer, req).store(positions, data)
-        for req, end in self.step_end.items():
-            self.bounds[req].advance(end)
-        self.step_rows.clear()
-        self.groups.clear()
+        if self.step_rows is not None:
+            seg, pos = self.step_rows
+            a, slot = self.arena, self.step_slot[seg]
+            end = self.tables.end[seg]
+            into_ring = (pos >= end - self.window) if self.window else torch.zeros_like(pos, dtype=torch.bool)
+            into_sink = pos < self.sinks
+            step_idx = torch.arange(pos.numel(), device=self.device)
+            for owner in self.cfg.kv_owner_layers:
+                src = a.data[a.step_base[owner] + step_idx]
+                base = a.win_base[owner] + slot * a.win_rows
+                ring = torch.where(into_ring, base + (pos % max(1, self.window)), a.scratch_row)
+                sink = torch.where(into_sink, base + self.window + pos.clamp(max=max(0, self.sinks - 1)),
+                                   a.scratch_row)
+                a.data.index_copy_(0, ring, src)
+                a.data.index_copy_(0, sink, src)
+            written = torch.zeros_like(self.win_len).scatter_reduce_(0, slot, end, "amax")
+            self.win_len = torch.maximum(self.win_len, written)
+            self.win_lo = torch.maximum(self.win_lo, self.win_len - self.window)
+        self.step_rows = None
+        self.plans.clear()
+        self.fetched.clear()
 
-    def window_of(self, layer: int, req: Hashable) -> ResidentWindow:
-        w = self.windows.get((layer, req))
-        if w is None:
-            w = self.windows[(layer, req)] = ResidentWindow(self.window, self.sinks, self.layout.row_bytes,
-                                                            self.device)
-        return w
-
-    # ---- LatentKV ----
-    def write(self, layer: int, req: Hashable, positions: torch.Tensor, rows: torch.Tensor) -> None:
-        """New rows of this step: kept on the device for the step, backed up to the host pool eagerly."""
+    # ---- the batch seam ----
+    def write(self, layer: int, seg: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> None:
+        """This step's new rows of every request: into the arena's step region (read by this step's gathers and
+        moved into the windows at end_step), and backed up to the host pool eagerly."""
         data = self.encode(rows).to(self.device)
-        start = int(positions[0])
-        if self.step_start.setdefault(req, start) != start:
-            raise ValueError(f"request {req!r}: one contiguous segment per step (got start {start})")
-        self.bounds.setdefault(req, WindowBounds(self.window, self.sinks))
-        self.step_end[req] = int(positions[-1]) + 1
-        self.pool.ensure(req, self.step_end[req])
-        self.step_rows[(layer, req)] = data
-        host_rows = self.pool.rows_of(req, positions.cpu())
+        if self.step_rows is None:    # the same rows every KV-owning layer: segment offsets once per step
+            self.step_rows = (seg, positions)
+            counts = torch.bincount(seg, minlength=self.step_row0.numel())
+            self.step_row0 = torch.cumsum(counts, 0) - counts
+        a = self.arena
+        a.data[a.step_base[layer]: a.step_base[layer] + data.shape[0]] = data
+        host_rows = paged_rows(self.tables.pages, seg, positions, self.page_tokens).cpu()
         view = self.pool.layer_view(layer)
-        self.copier.backup(data, lambda d, v=view, r=host_rows: v.index_put_((r,), d.cpu()))
+        self.copier.backup(data, lambda d, v=view, r=host_rows: v.index_copy_(0, r, d.cpu()))
         self.stats.device_to_host_bytes += data.numel()
 
-    def gather(self, layer: int, req: Hashable, positions: torch.Tensor) -> torch.Tensor:
-        """Rows [n, r + dR] of sorted unique positions [n]: the group owner's, or (a member past the rows the
-        forward narrowed to, see AttentionBatch.narrow_) a subset of them."""
+    def gather(self, layer: int, seg: torch.Tensor, sel: torch.Tensor) -> RowSource:
+        """Every query row's selected rows: one index into the arena (plus this step's transient misses)."""
         group = self.cfg.layers[layer].index_source
-        positions = positions.to(self.device)
-        g = self.groups.get((group, req))
-        if g is None:
-            g = self.groups[(group, req)] = self.plan_group(group, req, positions)
-        subset = None
-        if not torch.equal(g.positions, positions):
-            subset = torch.searchsorted(g.positions, positions).clamp(max=max(0, g.positions.numel() - 1))
-            if not g.positions.numel() or not torch.equal(g.positions[subset], positions):
-                raise RuntimeError(f"layer {layer}: selection is not within its index group owner {group}'s")
-        rows, event = g.rows.pop(layer)
+        plan = self.plans.get(group)
+        if plan is None:
+            plan = self.plans[group] = self.plan_group(group, seg, sel)
+        extra, event = self.fetched.pop(layer)
         self.copier.wait(event)
-        if g.step_idx.numel():     # rows written earlier in this very forward
-            rows[g.step_idx] = self.step_rows[(self.source(layer), req)][g.positions[g.step_idx] - g.start]
-        if subset is not None:
-            rows = rows[subset]
-        self.stats.hits += g.positions.numel() - g.n_misses
-        self.stats.misses += g.n_misses
-        self.stats.host_to_device_bytes += g.n_misses * self.layout.row_bytes
-        return self.decode(rows)
+        kind, local = plan.locate(seg, sel)
+        a, src = self.arena, self.source(layer)
+        base = torch.tensor([a.step_base.get(src, 0), a.win_base.get(src, 0), a.hot_base[layer], 0, a.zero_row],
+                            dtype=torch.long, device=self.device)
+        idx = torch.where(kind == EXTRA, a.zero_row, local + base[kind])
+        self.stats.hits += plan.n_unique - plan.n_misses
+        self.stats.misses += plan.n_misses
+        self.stats.host_to_device_bytes += plan.n_misses * self.layout.row_bytes
+        transient = kind == EXTRA if extra.shape[0] else None
 
-    def plan_group(self, group: int, req: Hashable, positions: torch.Tensor) -> GroupStep:
-        """At the index group owner: split positions into this step's rows, resident window and the rest;
-        resolve the rest against the group's hot buffer once; issue every member's window reads and miss
-        copies now, so the followers' copies overlap the owner's attention."""
-        bounds = self.bounds.get(req)
-        start = self.step_start.get(req, bounds.length if bounds is not None else 0)
-        in_step = positions >= start
-        in_win = ~in_step & bounds.contains(positions) if bounds is not None else torch.zeros_like(in_step)
-        rest = ~(in_step | in_win)
-        g = GroupStep(positions, start, in_step.nonzero().squeeze(1))
-        win_idx, rest_idx = in_win.nonzero().squeeze(1), rest.nonzero().squeeze(1)
-        plan = None
-        if rest_idx.numel():
-            state = self.hot_state.get((group, req))
-            if state is None:
-                state = self.hot_state[(group, req)] = HotState(self.n_slots, self.device)
-            plan = resolve(state, positions[rest_idx], self.step)
-            g.n_misses = plan.n_misses
+        def rows(lo: int, hi: int) -> torch.Tensor:
+            data = a.data[idx[lo:hi]]
+            if transient is not None:
+                data = torch.where(transient[lo:hi, :, None], extra[local[lo:hi].clamp(0, extra.shape[0] - 1)], data)
+            return self.decode(data)
+        return rows
+
+    def plan_group(self, group: int, seg: torch.Tensor, sel: torch.Tensor) -> Plan:
+        """At the index group owner: resolve every request's selections once, then copy every member layer's
+        misses from the host pool now (side stream on CUDA), so the followers' copies overlap the owner's
+        attention."""
+        plan = resolve(self.hot[group], self.step_slot, self.tables.start, self.step_row0, self.win_lo,
+                       self.win_len, self.sinks, self.arena.window_index, seg, sel, self.step)
+        a = self.arena
+        host_rows = paged_rows(self.tables.pages, plan.miss_seg, plan.miss_pos, self.page_tokens).cpu()
         for member in self.members[group]:
-            src = self.source(member)
-            out = torch.empty(positions.numel(), self.layout.row_bytes, dtype=torch.uint8, device=self.device)
             with self.copier.side() as done:
-                if win_idx.numel():
-                    out[win_idx] = self.window_of(src, req).read(positions[win_idx])
-                if plan is not None:
-                    out[rest_idx] = self.fetch(member, req, plan)
-            g.rows[member] = (out, done[0] if done else None)
+                fetched = self.copier.to_device(self.pool.layer_view(member), host_rows)
+                dest = torch.where(plan.miss_dest >= 0, a.hot_base[member] + plan.miss_dest, a.scratch_row)
+                a.data.index_copy_(0, dest, fetched)
+            self.fetched[member] = (fetched, done[0] if done else None)
             if member != group:
-                self.stats.overlapped_copies += g.n_misses
-        return g
+                self.stats.overlapped_copies += plan.n_misses
+        return plan
 
-    def fetch(self, layer: int, req: Hashable, plan: Plan) -> torch.Tensor:
-        """One layer's rows for a plan (call on the copy stream): hits from its hot slots, misses copied
-        host -> device and into their LRU slots."""
-        data = self.hot_data.get((layer, req))
-        if data is None:
-            data = self.hot_data[(layer, req)] = torch.zeros(self.n_slots, self.layout.row_bytes,
-                                                             dtype=torch.uint8, device=self.device)
-        miss = ~plan.hit
-        fetched = self.copier.to_device(self.pool.layer_view(layer), self.pool.rows_of(req, plan.positions[miss]))
-        out = torch.empty(plan.positions.numel(), self.layout.row_bytes, dtype=torch.uint8, device=self.device)
-        out[plan.hit] = data[plan.slot[plan.hit]]
-        out[miss] = fetched
-        data[plan.fill_slots] = fetched[: plan.fill_slots.numel()]
-        return out
-
+    # ---- request lifecycle ----
     def truncate(self, req: Hashable, length: int) -> None:
-        if req in self.bounds:
-            self.bounds[req].truncate(length)
-        for (group, r), state in self.hot_state.items():
-            if r == req:
-                state.drop_from(length)
+        slot = self.slot_of.get(req)
+        if slot is None:
+            return
+        self.win_len[slot] = torch.clamp(self.win_len[slot], max=length)
+        for h in self.hot.values():
+            h.clear(slot, length)
 
     def release(self, req: Hashable) -> None:
         super().release(req)
-        self.pool.free(req)
-        self.bounds.pop(req, None)
-        for d in (self.windows, self.hot_state, self.hot_data):
-            for key in [k for k in d if k[1] == req]:
-                del d[key]
+        slot = self.slot_of.pop(req, None)
+        if slot is not None:
+            for h in self.hot.values():
+                h.clear(slot)
+            self.win_lo[slot] = 0
+            self.win_len[slot] = 0
+            self.free_slots.append(slot)
 
     # ---- observability ----
     def device_bytes(self, req: Hashable) -> dict[str, int]:
         """Device memory one request holds, by part (latent = window + hot slots; the rest is metadata)."""
-        window = sum(w.nbytes() for (l, r), w in self.windows.items() if r == req)
-        hot = sum(d.numel() for (l, r), d in self.hot_data.items() if r == req)
-        meta = sum(s.nbytes() for (g, r), s in self.hot_state.items() if r == req)
-        return {"latent": window + hot, "hot_metadata": meta, "index_keys": self.index_cache.nbytes(req)}
+        held = req in self.slot_of
+        return {"latent": self.arena.slot_bytes() if held else 0,
+                "hot_metadata": sum(h.nbytes_per_slot() for h in self.hot.values()) if held else 0,
+                "index_keys": self.index_cache_bytes(req)}

@@ -1,10 +1,14 @@
-"""The resolver: map one request's selected (non-resident) positions to hot-buffer slots, LRU.
+"""The resolver: map every request's selected positions of one index group to where their rows are, in one
+vectorised pass over the whole batch (no loop over requests, fixed-size outputs).
 
-`HotState` is the slot metadata of one (request, index group): the layers that share one top-k selection
-(an indexer owner and its sharers) see the same positions every step, so one plan serves all of them and
-each layer copies only its own bytes. A hit refreshes its slot's LRU stamp; misses take the least recently
-used slots not hit this step (empty slots first); misses beyond the buffer's free slots are `transient`
-(copied for this step only, never cached). Everything is batched torch ops on the compute device.
+An index group (an indexer owner and the layers sharing its selection) resolves once per step; the plan serves
+every member layer, each copying only its own bytes. A selected position is, in this order of precedence:
+  STEP    written by this very step (its row is in the arena's step region)
+  WINDOW  resident (one of the first `sinks` positions, or in the request's window [lo, length))
+  HOT     held by a slot of the request's hot buffer (a hit), or copied into one now (a filled miss)
+  EXTRA   a miss beyond the free slots: copied for this step only (transient)
+LRU: a hit refreshes its slot's stamp; misses take the least recently used slots not hit this step (empty slots
+first, stable on ties), in position order.
 """
 
 from __future__ import annotations
@@ -13,78 +17,151 @@ from dataclasses import dataclass
 
 import torch
 
-from . import lookup_triton
-
 EMPTY = -1
+STEP, WINDOW, HOT, EXTRA, NONE = range(5)
+KEY_SPAN = 1 << 40            # entry key = segment * KEY_SPAN + position (positions < 2^40)
+NO_KEY = torch.iinfo(torch.long).max
 
 
-class HotState:
-    """Slot metadata of one hot buffer: the position each slot holds and its LRU stamp. Lookups sort the N
-    slot positions (no per-position table), so device metadata stays flat as the context grows."""
+class HotSlots:
+    """LRU metadata of one index group's hot buffers, every request slot at once: the position each slot holds
+    and its last-use stamp, flat [R * n_slots + 1] (the last entry absorbs masked-out scatters)."""
 
     def __init__(self, n_slots: int, device: torch.device):
-        self.n_slots, self.device = n_slots, device
-        self.slot_pos = torch.full((n_slots,), EMPTY, dtype=torch.long, device=device)
-        self.last_used = torch.full((n_slots,), EMPTY, dtype=torch.long, device=device)
+        self.n_slots, self.device, self.slots = n_slots, device, 0
+        self.pos = torch.full((1,), EMPTY, dtype=torch.long, device=device)
+        self.stamp = torch.full((1,), EMPTY, dtype=torch.long, device=device)
 
-    def lookup(self, positions: torch.Tensor, use_triton: bool | None = None) -> torch.Tensor:
-        """Slot holding each position [U], or EMPTY (Triton kernel on CUDA, sort + searchsorted elsewhere)."""
+    def fit(self, slots: int) -> None:
+        """Room for `slots` request slots (new slots empty; called between steps)."""
+        if slots <= self.slots:
+            return
+        n = slots * self.n_slots
+        for name in ("pos", "stamp"):
+            old = getattr(self, name)
+            new = torch.full((n + 1,), EMPTY, dtype=torch.long, device=self.device)
+            new[: old.numel() - 1] = old[:-1]
+            setattr(self, name, new)
+        self.slots = slots
+
+    @property
+    def scratch(self) -> int:
+        return self.slots * self.n_slots
+
+    def clear(self, slot: int, from_position: int = 0) -> None:
+        """Forget every position >= from_position held by request slot `slot` (release, rollback)."""
+        part = slice(slot * self.n_slots, (slot + 1) * self.n_slots)
+        stale = self.pos[part] >= from_position
+        self.pos[part] = self.pos[part].masked_fill(stale, EMPTY)
+        self.stamp[part] = self.stamp[part].masked_fill(stale, EMPTY)
+
+    def held(self, slot: int) -> torch.Tensor:
+        """Positions held by request slot `slot`'s hot buffer (any order)."""
+        part = self.pos[slot * self.n_slots: (slot + 1) * self.n_slots]
+        return part[part >= 0]
+
+    def lookup(self, slot: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Flat slot index (slot * n_slots + j) holding each position, or EMPTY; slot/positions [E]."""
         if self.n_slots == 0:
             return torch.full_like(positions, EMPTY)
-        if lookup_triton.available(self.device) if use_triton is None else use_triton:
-            return lookup_triton.lookup(self.slot_pos, positions)
-        held, order = torch.sort(self.slot_pos)
-        idx = torch.searchsorted(held, positions).clamp(max=self.n_slots - 1)
-        return torch.where(held[idx] == positions, order[idx], EMPTY)
+        held = self.pos[:-1]
+        owner = torch.arange(self.slots, device=self.device).repeat_interleave(self.n_slots)
+        keys = torch.where(held >= 0, owner * KEY_SPAN + held, EMPTY)
+        sorted_keys, order = torch.sort(keys)
+        want = slot * KEY_SPAN + positions
+        j = torch.searchsorted(sorted_keys, want).clamp(max=sorted_keys.numel() - 1)
+        return torch.where(sorted_keys[j] == want, order[j], EMPTY)
 
-    def drop_from(self, length: int) -> None:
-        """Forget every slot holding a position >= length (rollback)."""
-        stale = self.slot_pos >= length
-        self.slot_pos[stale] = EMPTY
-        self.last_used[stale] = EMPTY
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.slot_pos, self.last_used))
+    def nbytes_per_slot(self) -> int:
+        return 2 * self.n_slots * 8
 
 
 @dataclass
 class Plan:
-    """Where each requested position's row comes from this step.
+    """One index group's resolution for one step. Entries are the step's (segment, position) pairs sorted by
+    key = segment * KEY_SPAN + position; a query row's selection finds its entries by binary search.
 
-    positions [U]; slot [U] (hot slot id, or -1 for a transient miss); hit [U] bool.
-    fill_slots / fill_positions: the misses copied into slots this step; transient_positions: the rest.
-    """
-    positions: torch.Tensor
-    slot: torch.Tensor
-    hit: torch.Tensor
-    fill_slots: torch.Tensor
-    fill_positions: torch.Tensor
-
-    @property
-    def n_hits(self) -> int:
-        return int(self.hit.sum())
+    keys [E] sorted (NO_KEY for padding), kind [E] (STEP / WINDOW / HOT / EXTRA / NONE), local [E]: the row
+    inside the kind's region (add the layer's region base), or for EXTRA the index into the fetched misses.
+    miss_entries [M]: the entries copied from the host this step (M is the one host-side count of the plan);
+    miss_dest [M]: their flat hot slot, or the scratch slot for transient misses."""
+    keys: torch.Tensor
+    kind: torch.Tensor
+    local: torch.Tensor
+    miss_seg: torch.Tensor
+    miss_pos: torch.Tensor
+    miss_dest: torch.Tensor
+    n_unique: int
 
     @property
     def n_misses(self) -> int:
-        return self.positions.numel() - self.n_hits
+        return self.miss_seg.numel()
+
+    def locate(self, seg: torch.Tensor, sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(kind, local) [n, k] of a selection sel [n, k] (-1 padded) of rows of segments seg [n]."""
+        want = torch.where(sel >= 0, seg[:, None] * KEY_SPAN + sel, NO_KEY)
+        j = torch.searchsorted(self.keys, want.flatten()).clamp(max=self.keys.numel() - 1).view_as(sel)
+        kind = torch.where(sel >= 0, self.kind[j], NONE)
+        return kind, torch.where(sel >= 0, self.local[j], 0)
 
 
-def resolve(state: HotState, positions: torch.Tensor, step: int) -> Plan:
-    """Resolve unique positions [U] (none resident) against the hot buffer at LRU time `step`; updates state."""
-    positions = positions.to(state.device)
-    slot = state.lookup(positions)
-    hit = slot >= 0
-    state.last_used[slot[hit]] = step
-    miss_pos = positions[~hit]
-    # candidates: slots not hit this step, least recently used first (empty slots carry -1); stable on ties
-    stamp = state.last_used.clone()
-    stamp[slot[hit]] = torch.iinfo(torch.long).max
-    n_fill = min(miss_pos.numel(), state.n_slots - int(hit.sum()))
-    victims = torch.argsort(stamp, stable=True)[:n_fill]
-    fill_pos = miss_pos[:n_fill]
-    state.slot_pos[victims] = fill_pos
-    state.last_used[victims] = step
-    miss_slot = torch.full_like(miss_pos, EMPTY)
-    miss_slot[:n_fill] = victims
-    slot[~hit] = miss_slot
-    return Plan(positions, slot, hit, victims, fill_pos)
+def resolve(hot: HotSlots, slot_of_seg: torch.Tensor, step_start: torch.Tensor, step_row0: torch.Tensor,
+            win_lo: torch.Tensor, win_len: torch.Tensor, sinks: int, window_index, seg: torch.Tensor,
+            sel: torch.Tensor, stamp: int) -> Plan:
+    """Resolve the selections sel [n, k] of query rows of segments seg [n] (all requests of the step at once)
+    against the requests' step rows, windows and hot buffers; updates `hot` (LRU) for the filled misses.
+
+    slot_of_seg/step_start/step_row0 [S]: per segment its request slot, its first position written this step and
+    that position's row in the step region; win_lo/win_len [R]: per request slot the resident window [lo, len);
+    window_index(slot, positions): row in the window regions."""
+    keys = torch.where(sel >= 0, seg[:, None] * KEY_SPAN + sel, NO_KEY).flatten()
+    keys, _ = torch.sort(keys)
+    valid = keys != NO_KEY
+    head = valid.clone()
+    head[1:] &= keys[1:] != keys[:-1]                                    # first entry of each distinct key
+    e_seg = torch.where(valid, keys // KEY_SPAN, 0)
+    e_pos = torch.where(valid, keys % KEY_SPAN, 0)
+    r = slot_of_seg[e_seg]
+    in_step = valid & (e_pos >= step_start[e_seg])
+    in_win = valid & ~in_step & ((e_pos < sinks) | ((e_pos >= win_lo[r]) & (e_pos < win_len[r])))
+    rest = head & ~in_step & ~in_win
+    found = hot.lookup(r, e_pos)
+    hit = rest & (found >= 0)
+    miss = rest & ~hit
+
+    n = hot.n_slots
+    n_seg = slot_of_seg.numel()
+    hit_at = torch.where(hit, found, hot.scratch)
+    hot.stamp[hit_at] = stamp
+    if n:   # victims per request: least recently used slots not hit this step
+        st = hot.stamp.clone()
+        st[hit_at] = NO_KEY
+        order = torch.argsort(st[:-1].view(hot.slots, n), dim=1, stable=True)          # [R, n]
+        hits_per_seg = torch.zeros(n_seg, dtype=torch.long, device=sel.device).index_add_(0, e_seg, hit.long())
+        misses_per_seg = torch.zeros_like(hits_per_seg).index_add_(0, e_seg, miss.long())
+        rank = torch.cumsum(miss.long(), 0) - 1 - (torch.cumsum(misses_per_seg, 0) - misses_per_seg)[e_seg]
+        fill = miss & (rank < n - hits_per_seg[e_seg])
+        victim = r * n + order[r, rank.clamp(0, n - 1)]
+        fill_at = torch.where(fill, victim, hot.scratch)
+        hot.pos[fill_at] = e_pos
+        hot.stamp[fill_at] = stamp
+    else:
+        fill = torch.zeros_like(miss)
+        victim = torch.zeros_like(e_pos)
+    miss_idx = miss.nonzero().squeeze(1)            # the plan's one data-dependent size: how many rows to copy
+    extra_rank = torch.cumsum(miss.long(), 0) - 1
+
+    kind = torch.full_like(e_pos, NONE)
+    kind = torch.where(in_step, STEP, kind)
+    kind = torch.where(in_win, WINDOW, kind)
+    kind = torch.where(hit | fill, HOT, kind)
+    kind = torch.where(miss & ~fill, EXTRA, kind)
+    local = torch.zeros_like(e_pos)
+    local = torch.where(in_step, step_row0[e_seg] + e_pos - step_start[e_seg], local)
+    local = torch.where(in_win, window_index(r, e_pos), local)
+    local = torch.where(hit, found, local)
+    local = torch.where(fill, victim, local)
+    local = torch.where(miss & ~fill, extra_rank, local)
+    n_unique = int(head.sum())
+    return Plan(keys, kind, local, e_seg[miss_idx], e_pos[miss_idx],
+                torch.where(fill[miss_idx], victim[miss_idx], -1), n_unique)

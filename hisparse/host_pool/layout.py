@@ -49,16 +49,16 @@ class RowLayout:
 
     def pack(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [T, r + dR] (any float dtype) -> bytes [T, row_bytes] uint8."""
-        r = self.rank
+        r, n = self.rank, rows.shape[0]
         rows = rows.float()
         if self.name == "bf16":
-            return rows.to(torch.bfloat16).view(torch.uint8).reshape(rows.shape[0], -1)
-        c = rows[:, :r].reshape(rows.shape[0], r // self.tile, self.tile)
+            return rows.to(torch.bfloat16).view(torch.uint8).reshape(n, self.row_bytes)
+        c = rows[:, :r].reshape(n, r // self.tile, self.tile)
         scale = (c.abs().amax(-1) / FP8_MAX).clamp_min(FLT_MIN)                      # [T, r/tile] fp32
-        c8 = (c / scale[..., None]).to(FP8).reshape(rows.shape[0], r)
+        c8 = (c / scale[..., None]).to(FP8).reshape(n, r)
         k_rope = rows[:, r:].to(torch.bfloat16)
-        return torch.cat((c8.view(torch.uint8), scale.view(torch.uint8).reshape(rows.shape[0], -1),
-                          k_rope.view(torch.uint8).reshape(rows.shape[0], -1)), dim=1)
+        return torch.cat((c8.view(torch.uint8), scale.view(torch.uint8).reshape(n, 4 * (r // self.tile)),
+                          k_rope.view(torch.uint8).reshape(n, 2 * self.rope_dim)), dim=1)
 
     def unpack(self, data: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """bytes [T, row_bytes] uint8 -> rows [T, r + dR] in `dtype` (exact dequantisation in fp32)."""

@@ -1,71 +1,44 @@
-"""MLA without query LoRA, with SSMax and absorbed sparse attention over the rows LatentKV returns (§3.5-3.7)."""
+"""MLA without query LoRA, with SSMax and absorbed sparse attention over the rows LatentKV returns (§3.5-3.7).
+
+Every layer makes one call per seam operation for the whole batch (write rows, write keys, select, attend);
+no loop over requests. Where the rows live (resident, host pool + working set, DCP shards) is the LatentKV's
+business: decode context parallelism is a LatentKV (`hisparse.dcp.kv.ShardedKV`) like any other.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import accumulate
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from .batch import ForwardTrace, Segment
+from .batch import ForwardTrace
 from .config import LayerSpec, ModelConfig
 from .indexer import Indexer, ssmax_gain
 from .kv import LatentKV
 from .norm import RMSNorm
 from .rope import LeRoPE, apply_rope, rope_cos_sin, rope_frequencies
 
-if TYPE_CHECKING:
-    from ..dcp.context import DCPContext
-
 
 @dataclass
 class AttentionBatch:
-    """Per-forward state shared by every layer's attention."""
-    segments: list[Segment]
-    slices: list[slice]
-    positions: torch.Tensor                      # [N]
+    """Per-forward state shared by every layer's attention: flat per-row tensors, no per-request lists."""
+    positions: torch.Tensor                      # [N] absolute position of each row
+    seg: torch.Tensor                            # [N] segment (request) of each row
     kv: LatentKV
     cos: torch.Tensor                            # [N, dR/2] from the global LeRoPE alpha
     sin: torch.Tensor
-    selections: dict[int, list[torch.Tensor]]    # indexer-owner layer -> per segment [T, k]
+    selections: dict[int, torch.Tensor]          # indexer-owner layer -> [N, k] positions, -1 padded
     trace: ForwardTrace | None = None
-
-    @property
-    def dcp(self) -> "DCPContext | None":
-        """The decode-context-parallel hook of this rank (spec §7), carried by its sharded KV; None: one rank."""
-        return self.kv.dcp
 
     def narrow_(self, keep: torch.Tensor) -> None:
         """Keep only the query rows `keep` (ascending indices into the batch) for the layers still to run.
 
-        Segments (and so the cached prefix each one reads) stay whole; positions, rope tables, row slices and the
+        Segments (and so the cached prefix each one reads) stay whole; positions, segment ids, rope tables and the
         selections already made follow the kept rows."""
-        bounds = torch.tensor([sl.stop for sl in self.slices], device=keep.device)
-        counts = torch.bincount(torch.bucketize(keep, bounds, right=True), minlength=len(self.slices)).tolist()
-        firsts = list(accumulate(counts, initial=0))[:-1]
-        local = [keep[f:f + n] - sl.start for f, n, sl in zip(firsts, counts, self.slices)]
-        self.selections = {l: [sel[i] for sel, i in zip(sels, local)] for l, sels in self.selections.items()}
-        self.slices = [slice(f, f + n) for f, n in zip(firsts, counts)]
-        self.positions, self.cos, self.sin = self.positions[keep], self.cos[keep], self.sin[keep]
-
-
-def sparse_mla(q_lat: torch.Tensor, q_rope: torch.Tensor | None, rows: torch.Tensor, valid: torch.Tensor,
-               scale: float, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Absorbed MQA over each query's own selected rows.
-
-    q_lat [T, H, r] (= W_UK^T qN), q_rope [T, H, dR] or None (NoPE), rows [T, k, r + dR], valid [T, k].
-    Returns olat [T, H, r] = sum_s P c[s] and lse [T, H] (-inf where a query has no valid row: output 0).
-    """
-    c = rows[..., :rank]
-    logits = torch.einsum("thc,tkc->thk", q_lat, c)
-    if q_rope is not None:
-        logits = logits + torch.einsum("thr,tkr->thk", q_rope, rows[..., rank:])
-    logits = (logits * scale).masked_fill(~valid[:, None, :], float("-inf"))
-    lse = torch.logsumexp(logits, dim=-1)                                      # [T, H]
-    probs = torch.exp(logits - lse.nan_to_num(neginf=0.0)[..., None])          # empty rows -> all zeros
-    return torch.einsum("thk,tkc->thc", probs, c), lse
+        self.selections = {l: sel[keep] for l, sel in self.selections.items()}
+        self.positions, self.seg, self.cos, self.sin = self.positions[keep], self.seg[keep], self.cos[keep], \
+            self.sin[keep]
 
 
 class MLA(nn.Module):
@@ -100,12 +73,7 @@ class MLA(nn.Module):
         if self.spec.kv_owner:
             self.write_latents(x, b, cos, sin)
         if self.indexer is not None:
-            k = self.indexer.keys(x, cos, sin)                                       # [N, dI]
-            if b.dcp is not None:    # each rank stores the keys of the positions it owns
-                b.dcp.write_keys(k, b, self.spec.index)
-            else:
-                for seg, sl in zip(b.segments, b.slices):
-                    b.kv.index_cache.write(self.spec.index, seg.req, b.positions[sl], k[sl])
+            b.kv.write_keys(self.spec.index, b.seg, b.positions, self.indexer.keys(x, cos, sin))   # [N, dI]
 
     def forward(self, x: torch.Tensor, b: AttentionBatch, cos: torch.Tensor | None,
                 sin: torch.Tensor | None) -> torch.Tensor:   # x [N, D], cos/sin [N, dR/2] -> [N, D]
@@ -117,20 +85,10 @@ class MLA(nn.Module):
         if self.ssmax_scaling is not None:
             g = ssmax_gain(self.ssmax_scaling, b.positions, x.dtype)[..., None]    # [N, H, 1]
             q_nope, q_rope = q_nope * g, (q_rope * g if q_rope is not None else None)
-        selections = self.select(x, b, cos, sin)
+        selections = self.select(x, b, cos, sin)                                  # [N, k]
         w_kvb = self.wkv_b.weight.view(H, dN + cfg.v_head_dim, r)
         q_lat = torch.einsum("thd,hdc->thc", q_nope, w_kvb[:, :dN])                 # [N, H, r]
-        if b.dcp is not None:    # partial attention over this rank's rows, LSE-combined across ranks
-            olat = b.dcp.attend(q_lat, q_rope, selections, b, spec.index, self.scale)
-        else:
-            olat = torch.empty_like(q_lat)
-            for seg, sl, sel in zip(b.segments, b.slices, selections):
-                if sl.start == sl.stop:
-                    continue
-                uniq, inv = torch.unique(sel.clamp(min=0), return_inverse=True)
-                rows = b.kv.gather(spec.index, seg.req, uniq)[inv]                   # [T, k, r + dR]
-                olat[sl], _ = sparse_mla(q_lat[sl], q_rope[sl] if q_rope is not None else None, rows, sel >= 0,
-                                         self.scale, r)
+        olat, _ = b.kv.attend(spec.index, q_lat, q_rope, b.seg, selections, self.scale)
         o = torch.einsum("thc,hvc->thv", olat, w_kvb[:, dN:])                        # [N, H, dV]
         return self.wo(o.flatten(1))
 
@@ -142,25 +100,17 @@ class MLA(nn.Module):
         c = self.kv_a_norm(a[:, :r])
         k_rope = apply_rope(a[:, r:], cos, sin) if self.spec.rope else c.new_zeros(c.shape[0],
                                                                                   self.cfg.qk_rope_head_dim)
-        rows = torch.cat((c, k_rope), dim=-1)
-        for seg, sl in zip(b.segments, b.slices):
-            b.kv.write(self.spec.index, seg.req, b.positions[sl], rows[sl])
+        b.kv.write(self.spec.index, b.seg, b.positions, torch.cat((c, k_rope), dim=-1))
 
     def select(self, x: torch.Tensor, b: AttentionBatch, cos: torch.Tensor | None,
-               sin: torch.Tensor | None) -> list[torch.Tensor]:
-        """Top-k positions per segment [T, k]: own indexer, or the source owner's selection (sharer)."""
+               sin: torch.Tensor | None) -> torch.Tensor:
+        """Top-k positions [N, k] of every query row: own indexer, or the source owner's selection (sharer)."""
         if self.indexer is None:
-            sels = b.selections[self.spec.index_source]
+            sel = b.selections[self.spec.index_source]
         else:
             q, w = self.indexer.queries(x, b.positions, cos, sin)
-            if b.dcp is not None:    # own keys only; exact global merge of every rank's candidates
-                sels = b.dcp.select(self.indexer, q, w, b, self.spec.index)
-            else:
-                sels = []
-                for seg, sl in zip(b.segments, b.slices):
-                    keys = b.kv.index_cache.prefix(self.spec.index, seg.req, seg.start + seg.length)
-                    sels.append(self.indexer.select(q[sl], w[sl], keys, b.positions[sl]))
-            b.selections[self.spec.index] = sels
+            sel = b.selections[self.spec.index] = b.kv.select(self.spec.index, self.indexer, q, w, b.seg,
+                                                              b.positions)
         if b.trace is not None:
-            b.trace.selections[self.spec.index] = sels
-        return sels
+            b.trace.selections[self.spec.index] = sel
+        return sel

@@ -20,19 +20,17 @@ class Segment:
 class ForwardTrace:
     """Optional capture of a forward's internals: per-layer selections and tapped hidden states."""
     tap_layers: tuple[int, ...] = ()
-    selections: dict[int, list[torch.Tensor]] = field(default_factory=dict)   # layer -> per segment [T, k]
+    selections: dict = field(default_factory=dict)   # layer -> [N, k] during the forward, per segment [T, k] after
     taps: dict[int, torch.Tensor] = field(default_factory=dict)               # layer -> [N, D] after layer
 
 
-def segment_slices(segments: list[Segment]) -> list[slice]:
-    """Row ranges of each segment in the flat batch."""
-    out, off = [], 0
-    for s in segments:
-        out.append(slice(off, off + s.length))
-        off += s.length
-    return out
-
-
-def segment_positions(segments: list[Segment], device: torch.device | str = "cpu") -> torch.Tensor:
-    """Absolute positions [N] of the flat batch."""
-    return torch.cat([torch.arange(s.start, s.start + s.length, device=device) for s in segments])
+def segment_positions(segments: list[Segment], device: torch.device | str = "cpu"
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absolute positions [N] of the flat batch and the segment index of each row [N] (built on the host, one
+    copy to the device)."""
+    lengths = torch.tensor([s.length for s in segments], dtype=torch.long)
+    seg = torch.repeat_interleave(torch.arange(len(segments)), lengths)
+    starts = torch.tensor([s.start for s in segments], dtype=torch.long)
+    first_row = torch.cumsum(lengths, 0) - lengths
+    positions = starts[seg] + torch.arange(int(lengths.sum())) - first_row[seg]
+    return positions.to(device), seg.to(device)

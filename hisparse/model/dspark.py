@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import sparse_mla
+from .kv import sparse_mla
 from .config import ConfigError, ModelConfig
 from .indexer import ssmax_gain
 from .moe import SwiGLU

@@ -31,19 +31,21 @@ def ssmax_gain(scaling: torch.Tensor, positions: torch.Tensor, dtype: torch.dtyp
 def index_scores(q: torch.Tensor, wr: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """I[t, s] = sum_h wr[t,h] relu(<q[t,h], keys[s]>), -inf where s > p_t: [T, S] (q [T, HI, dI], wr [T, HI]).
 
+    keys [S, dI] are shared by every row, or [T, S, dI] give each row its own (a batch of requests).
     The rounding is part of the contract, because exact ties decide selections: every product and sum is rounded
     on its own (no FMA, no GEMM blocking), d and h are summed left to right. So a score does not depend on S or
     on the device, and the fused CPU kernel (kernels/indexer_topk.cpp) reproduces it bit for bit.
     """
-    kt = keys.t()                                                          # [dI, S]
-    dots = q[:, :, 0, None] * kt[0]                                        # [T, HI, S]
+    kt = keys.transpose(-1, -2)                                            # [dI, S] or [T, dI, S]
+    col = (lambda d: kt[d]) if keys.dim() == 2 else (lambda d: kt[:, None, d])
+    dots = q[:, :, 0, None] * col(0)                                       # [T, HI, S]
     for d in range(1, q.shape[2]):
-        dots.add_(q[:, :, d, None] * kt[d])
+        dots.add_(q[:, :, d, None] * col(d))
     dots.relu_()
     scores = wr[:, 0, None] * dots[:, 0]                                   # [T, S]
     for h in range(1, q.shape[1]):
         scores.add_(wr[:, h, None] * dots[:, h])
-    s_idx = torch.arange(keys.shape[0], device=keys.device)
+    s_idx = torch.arange(keys.shape[-2], device=keys.device)
     return scores.masked_fill_(s_idx[None, :] > positions[:, None], float("-inf"))
 
 
@@ -73,6 +75,47 @@ def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     out = torch.full((T, width), -1, dtype=torch.long, device=scores.device)
     out[row, rank] = col
     return out
+
+
+def paged_topk(indexer: "Indexer", q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, table: torch.Tensor,
+               page_tokens: int, seg: torch.Tensor, n_visible: torch.Tensor, max_visible: int,
+               with_scores: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Exact top-k of a batch of query rows, each over its own request's keys in a paged store.
+
+    q [n, HI, dI], w [n, HI], keys [rows, dI] (row = table[s, j // P] * P + j % P for key j of segment s),
+    seg [n], n_visible [n] (row t sees keys 0 .. n_visible[t] - 1), max_visible >= every n_visible (host int).
+    Returns cols [n, k] (key indices ascending, -1 padded) and with_scores their scores [n, k] (-inf padded).
+    CPU inputs go to the fused kernel in one call; elsewhere the torch path scores blocks of rows against their
+    segment's keys gathered into [S, L, dI]. Both give the selections of select_topk(index_scores(...)).
+    """
+    n, k = q.shape[0], indexer.topk
+    wr = indexer.head_weights(w)
+    L = max_visible
+    if n == 0 or L == 0:
+        cols = torch.full((n, k), -1, dtype=torch.long, device=q.device)
+        return cols, (q.new_full((n, k), float("-inf")) if with_scores else None)
+    width = min(k, L)
+    if n * L >= FUSED_MIN_PAIRS and indexer_topk.supports(q, wr, keys) and indexer_topk.available():
+        P = page_tokens
+        cols, scores = indexer_topk.fused_topk_paged(q, wr, keys, table[:, : -(-L // P)], P, seg, n_visible, k,
+                                                     with_scores)
+    else:
+        j = torch.arange(L, device=keys.device)
+        per_seg = keys[table[:, j // page_tokens] * page_tokens + j % page_tokens]      # [S, L, dI]
+        rows = max(1, SCORE_BLOCK_ELEMS // max(1, indexer.n_heads * L))
+        cols, scores = [], []
+        for i in range(0, n, rows):   # blocks of query rows bound the score memory
+            s = index_scores(q[i:i + rows], wr[i:i + rows], per_seg[seg[i:i + rows]], n_visible[i:i + rows] - 1)
+            c = select_topk(s, k)
+            cols.append(c)
+            if with_scores:
+                scores.append(s.gather(1, c.clamp(min=0)).masked_fill(c < 0, float("-inf")))
+        cols, scores = torch.cat(cols), (torch.cat(scores) if with_scores else None)
+    if width < k:   # a context shorter than k: pad to the fixed width
+        cols = torch.nn.functional.pad(cols[:, :width], (0, k - width), value=-1)
+        if with_scores:
+            scores = torch.nn.functional.pad(scores[:, :width], (0, k - width), value=float("-inf"))
+    return cols, scores
 
 
 class Indexer(nn.Module):

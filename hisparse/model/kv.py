@@ -1,58 +1,76 @@
-"""The LatentKV seam: attention writes and reads latent rows only through this interface.
+"""The LatentKV seam: attention writes and reads latent rows and indexer keys only through this interface.
+
+Every operation takes the whole batch of one layer: `write` / `write_keys` store the new rows of every request,
+`select` picks every query row's top-k, `gather` returns every query row's selected rows, `attend` runs sparse
+MLA over them. Rows are described by flat tensors (the segment of each row, its position), never by a loop
+over requests. Per-request addressing comes from `StepTables`, built once per forward by `begin_step`.
 
 `ResidentKV` keeps every row on the compute device (the reference). HiSparse (`hisparse.gpu_working_set`)
 implements the same interface over the host pool and must return bit-identical rows. Both store rows in
 the same byte layout (`fp8_ds_mla`, `bf16`) or, with layout None, unquantised in the compute dtype (exact
-reference mode for tests). KV-consumer layers read their source layer's rows. The indexer key cache always
-stays on the compute device (`IndexKeyCache`).
+reference mode for tests). KV-consumer layers read their source layer's rows. Indexer keys always stay on the
+compute device, in one paged store per indexer layer (`PagedStore`) addressed by the KV store's page table.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, fields
 
 import torch
 
 from ..host_pool.layout import RowLayout
+from ..host_pool.pages import PageTable, paged_rows
 from .config import ModelConfig
+from .indexer import Indexer, paged_topk
+
+ATTEND_BLOCK_ELEMS = 1 << 24   # bound on the [rows, k, r + dR] decoded rows sparse MLA holds at once
+
+RowSource = Callable[[int, int], torch.Tensor]   # (lo, hi) -> decoded rows [hi - lo, k, r + dR] of query rows lo..hi
 
 
-class DeviceRows:
-    """Growable per-(layer, request) row buffers on one device; positions index rows directly."""
+@dataclass
+class StepTables:
+    """Per-forward addressing on the compute device (segment s = the step's s-th segment, one per request)."""
+    reqs: list[Hashable]
+    start: torch.Tensor          # [S] first position written this step
+    end: torch.Tensor            # [S] start + length: the context each segment's rows can see
+    pages: torch.Tensor          # [S, max_pages] page ids of the KV store's page table
+    max_end: int                 # the longest context of the step (host int, bounds padded key scans)
 
-    def __init__(self, width: int, dtype: torch.dtype, device: torch.device):
-        self.width, self.dtype, self.device = width, dtype, torch.device(device)
-        self.buffers: dict[tuple[int, Hashable], torch.Tensor] = {}
-
-    def write(self, layer: int, req: Hashable, positions: torch.Tensor, values: torch.Tensor) -> None:
-        need = int(positions.max()) + 1
-        buf = self.buffers.get((layer, req))
-        if buf is None or buf.shape[0] < need:
-            cap = max(need, 2 * (buf.shape[0] if buf is not None else 0), 16)
-            new = torch.zeros(cap, self.width, dtype=self.dtype, device=self.device)
-            if buf is not None:
-                new[: buf.shape[0]] = buf
-            buf = self.buffers[(layer, req)] = new
-        buf[positions] = values.to(self.dtype)
-
-    def read(self, layer: int, req: Hashable, positions: torch.Tensor) -> torch.Tensor:
-        return self.buffers[(layer, req)][positions]
-
-    def prefix(self, layer: int, req: Hashable, n: int) -> torch.Tensor:
-        return self.buffers[(layer, req)][:n]
-
-    def release(self, req: Hashable) -> None:
-        for key in [k for k in self.buffers if k[1] == req]:
-            del self.buffers[key]
-
-    def nbytes(self, req: Hashable | None = None) -> int:
-        return sum(b.numel() * b.element_size() for k, b in self.buffers.items() if req is None or k[1] == req)
+    @classmethod
+    def build(cls, segments: Sequence, pages: PageTable, device: torch.device) -> "StepTables":
+        reqs = [s.req for s in segments]
+        ends = [s.start + s.length for s in segments]
+        return cls(reqs, torch.tensor([s.start for s in segments], dtype=torch.long, device=device),
+                   torch.tensor(ends, dtype=torch.long, device=device), pages.table(reqs, device),
+                   max(ends, default=0))
 
 
-class IndexKeyCache(DeviceRows):
-    """Indexer keys K [S, dI] per (indexer-owner layer, request), resident on the compute device."""
+class PagedStore:
+    """One device tensor [rows, width] per layer, laid out in the pages of a `PageTable` (row = page * P + p % P),
+    shared by every request. Grows by doubling when the page table hands out higher page ids (between steps)."""
+
+    def __init__(self, layers: Sequence[int], width: int, dtype: torch.dtype, device: torch.device,
+                 page_tokens: int):
+        self.width, self.dtype, self.device, self.page_tokens = width, dtype, device, page_tokens
+        self.data = {l: torch.zeros(0, width, dtype=dtype, device=device) for l in layers}
+
+    def fit(self, n_pages: int) -> None:
+        """Hold page ids < n_pages (keeps every stored row)."""
+        need = n_pages * self.page_tokens
+        for layer, t in self.data.items():
+            if t.shape[0] < need:
+                new = torch.zeros(max(need, 2 * t.shape[0]), self.width, dtype=self.dtype, device=self.device)
+                new[: t.shape[0]] = t
+                self.data[layer] = new
+
+    def write(self, layer: int, rows: torch.Tensor, values: torch.Tensor) -> None:
+        self.data[layer].index_copy_(0, rows, values.to(self.dtype))
+
+    def bytes_per_page(self) -> int:
+        return self.page_tokens * self.width * self.dtype.itemsize * len(self.data)
 
 
 @dataclass
@@ -75,15 +93,34 @@ class KVStats:
                 f"d2h={self.device_to_host_bytes}B overlapped={self.overlapped_copies} steps={self.steps}")
 
 
+def sparse_mla(q_lat: torch.Tensor, q_rope: torch.Tensor | None, rows: torch.Tensor, valid: torch.Tensor,
+               scale: float, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed MQA over each query's own selected rows.
+
+    q_lat [T, H, r] (= W_UK^T qN), q_rope [T, H, dR] or None (NoPE), rows [T, k, r + dR], valid [T, k].
+    Returns olat [T, H, r] = sum_s P c[s] and lse [T, H] (-inf where a query has no valid row: output 0).
+    """
+    c = rows[..., :rank]
+    logits = torch.einsum("thc,tkc->thk", q_lat, c)
+    if q_rope is not None:
+        logits = logits + torch.einsum("thr,tkr->thk", q_rope, rows[..., rank:])
+    logits = (logits * scale).masked_fill(~valid[:, None, :], float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)                                      # [T, H]
+    probs = torch.exp(logits - lse.nan_to_num(neginf=0.0)[..., None])          # empty rows -> all zeros
+    return torch.einsum("thk,tkc->thc", probs, c), lse
+
+
 class LatentKV(ABC):
-    """Where latent rows (c || k_rope, width r + dR) live. Positions are absolute token positions."""
+    """Where latent rows (c || k_rope, width r + dR) and indexer keys live. Positions are absolute positions."""
 
-    dcp = None   # hisparse.dcp.context.DCPContext when this store holds one rank's shard (hisparse.dcp.kv.ShardedKV)
-
-    def __init__(self, cfg: ModelConfig, layout: str | None, device: torch.device | str, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, layout: str | None, device: torch.device | str, dtype: torch.dtype,
+                 pages: PageTable):
         self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
         self.layout = RowLayout.for_config(cfg, layout) if layout else None
-        self.index_cache = IndexKeyCache(cfg.index_head_dim, dtype, self.device)
+        self.pages, self.page_tokens = pages, pages.page_tokens
+        self.index_keys = PagedStore(cfg.index_owner_layers, cfg.index_head_dim, dtype, self.device,
+                                     pages.page_tokens)
+        self.tables: StepTables | None = None
         self.stats = KVStats()
         self.reserved: dict[Hashable, int] = {}   # admission reservations, in tokens (page-rounded)
 
@@ -92,7 +129,11 @@ class LatentKV(ABC):
         return self.layout.pack(rows) if self.layout else rows.to(self.dtype)
 
     def decode(self, data: torch.Tensor) -> torch.Tensor:
-        return self.layout.unpack(data, self.dtype) if self.layout else data
+        """Stored rows [..., stored_width] -> rows [..., r + dR] in the compute dtype."""
+        if not self.layout:
+            return data
+        return self.layout.unpack(data.reshape(-1, data.shape[-1]), self.dtype).view(*data.shape[:-1],
+                                                                                     self.cfg.latent_dim)
 
     @property
     def stored_width(self) -> int:
@@ -106,24 +147,59 @@ class LatentKV(ABC):
         """The layer whose rows `layer` reads (itself for a KV owner)."""
         return self.cfg.layers[layer].kv_source
 
-    @abstractmethod
-    def write(self, layer: int, req: Hashable, positions: torch.Tensor, rows: torch.Tensor) -> None:
-        """Store rows [T, r + dR] of a KV-owning layer at `positions` [T]."""
-
-    @abstractmethod
-    def gather(self, layer: int, req: Hashable, positions: torch.Tensor) -> torch.Tensor:
-        """Rows [n, r + dR] (compute device and dtype) for `positions` [n] as read by `layer`."""
-
-    def begin_step(self, segments: list) -> None:
-        """Called once before each model forward with its segments (HiSparse allocates their pages here, so
-        running out of pool fails before any row is written)."""
+    # ---- step lifecycle ----
+    def begin_step(self, segments: Sequence) -> None:
+        """Called once before each forward with its segments (one per request): allocates their pages (so running
+        out fails before any row is written) and builds the step's device tables."""
+        for seg in segments:
+            self.pages.ensure(seg.req, seg.start + seg.length)
+        self.index_keys.fit(self.pages.high_water)
+        self.tables = StepTables.build(segments, self.pages, self.device)
 
     def end_step(self) -> None:
-        """Called once after each model forward (HiSparse flushes eager backups here)."""
+        """Called once after each forward (HiSparse flushes eager backups and updates its windows here)."""
 
+    # ---- the batch seam: one call per layer for every row of the step ----
+    @abstractmethod
+    def write(self, layer: int, seg: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> None:
+        """Store rows [n, r + dR] of a KV-owning layer: row i at positions[i] of segment seg[i]."""
+
+    def write_keys(self, layer: int, seg: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor) -> None:
+        """Store indexer keys [n, dI] of an indexer-owning layer."""
+        self.index_keys.write(layer, paged_rows(self.tables.pages, seg, positions, self.page_tokens), keys)
+
+    def select(self, layer: int, indexer: Indexer, q: torch.Tensor, w: torch.Tensor, seg: torch.Tensor,
+               positions: torch.Tensor) -> torch.Tensor:
+        """Top-k positions [n, k] (ascending, -1 padded) of query rows q [n, HI, dI], w [n, HI] at `positions`
+        of segments `seg`, over each row's own request's keys at positions <= its own."""
+        return paged_topk(indexer, q, w, self.index_keys.data[layer], self.tables.pages, self.page_tokens, seg,
+                          positions + 1, self.tables.max_end)[0]
+
+    @abstractmethod
+    def gather(self, layer: int, seg: torch.Tensor, sel: torch.Tensor) -> RowSource:
+        """The rows of every query row's selection sel [n, k] (positions, -1 = none: any finite row) as read by
+        `layer`; the returned callable decodes a block of query rows at a time (memory stays bounded)."""
+
+    def attend(self, layer: int, q_lat: torch.Tensor, q_rope: torch.Tensor | None, seg: torch.Tensor,
+               sel: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sparse MLA of every query row over its selection: olat [n, H, r], lse [n, H] (-inf: nothing selected).
+
+        q_lat [n, H, r], q_rope [n, H, dR] or None (NoPE), sel [n, k]. Query rows go in blocks whose decoded rows
+        stay under ATTEND_BLOCK_ELEMS."""
+        rows = self.gather(layer, seg, sel)
+        n, H, r = q_lat.shape
+        olat, lse = torch.empty_like(q_lat), q_lat.new_empty(n, H)
+        block = max(1, ATTEND_BLOCK_ELEMS // max(1, sel.shape[1] * self.cfg.latent_dim))
+        for lo in range(0, n, block):
+            hi = min(n, lo + block)
+            olat[lo:hi], lse[lo:hi] = sparse_mla(q_lat[lo:hi], None if q_rope is None else q_rope[lo:hi],
+                                                 rows(lo, hi), sel[lo:hi] >= 0, scale, r)
+        return olat, lse
+
+    # ---- request lifecycle ----
     def release(self, req: Hashable) -> None:
         """Free every row, key and slot the request holds."""
-        self.index_cache.release(req)
+        self.pages.free(req)
         self.reserved.pop(req, None)
 
     def truncate(self, req: Hashable, length: int) -> None:
@@ -132,9 +208,12 @@ class LatentKV(ABC):
         Positions past a request's length are never selected (selection is causal) and are overwritten by the
         next write, so resident storage needs nothing; HiSparse drops their hot-buffer slots."""
 
-    # ---- capacity and admission: a request reserves its whole length (prompt + max new tokens) up front ----
-    page_tokens: int = 1
+    def index_cache_bytes(self, req: Hashable | None = None) -> int:
+        """Device bytes of indexer keys held (by one request, or by all)."""
+        pages = self.pages.pages_used if req is None else self.pages.pages_of(req)
+        return pages * self.index_keys.bytes_per_page()
 
+    # ---- capacity and admission: a request reserves its whole length (prompt + max new tokens) up front ----
     def token_capacity(self) -> int | None:
         """Tokens the latent store can hold in all (None: unbounded)."""
         return None
@@ -167,23 +246,30 @@ class LatentKV(ABC):
 
 
 class ResidentKV(LatentKV):
-    """Reference: every latent row of every request on the compute device."""
+    """Reference: every latent row of every request on the compute device, in one paged store per KV owner."""
 
     def __init__(self, cfg: ModelConfig, layout: str | None = "fp8_ds_mla", device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32, budget_tokens: int | None = None):
-        super().__init__(cfg, layout, device, dtype)
-        self.rows = DeviceRows(self.stored_width, self.stored_dtype, self.device)
+                 dtype: torch.dtype = torch.float32, budget_tokens: int | None = None, page_tokens: int = 16):
+        super().__init__(cfg, layout, device, dtype, PageTable(0, page_tokens, growable=True, name="device KV"))
+        self.rows = PagedStore(cfg.kv_owner_layers, self.stored_width, self.stored_dtype, self.device, page_tokens)
         self.budget_tokens = budget_tokens   # device-memory budget in tokens (None: unbounded)
 
     def token_capacity(self) -> int | None:
         return self.budget_tokens
 
-    def write(self, layer: int, req: Hashable, positions: torch.Tensor, rows: torch.Tensor) -> None:
-        self.rows.write(layer, req, positions, self.encode(rows))
+    def begin_step(self, segments: Sequence) -> None:
+        super().begin_step(segments)
+        self.rows.fit(self.pages.high_water)
 
-    def gather(self, layer: int, req: Hashable, positions: torch.Tensor) -> torch.Tensor:
-        return self.decode(self.rows.read(self.source(layer), req, positions))
+    def write(self, layer: int, seg: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> None:
+        self.rows.write(layer, paged_rows(self.tables.pages, seg, positions, self.page_tokens), self.encode(rows))
 
-    def release(self, req: Hashable) -> None:
-        super().release(req)
-        self.rows.release(req)
+    def gather(self, layer: int, seg: torch.Tensor, sel: torch.Tensor) -> RowSource:
+        idx = paged_rows(self.tables.pages, seg[:, None].expand_as(sel), sel.clamp(min=0), self.page_tokens)
+        store = self.rows.data[self.source(layer)]
+        return lambda lo, hi: self.decode(store[idx[lo:hi]])
+
+    def latent_bytes(self, req: Hashable | None = None) -> int:
+        """Device bytes of latent rows held (by one request, or by all)."""
+        pages = self.pages.pages_used if req is None else self.pages.pages_of(req)
+        return pages * self.rows.bytes_per_page()

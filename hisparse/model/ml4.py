@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from .attention import MLA, AttentionBatch
-from .batch import ForwardTrace, Segment, segment_positions, segment_slices
+from .batch import ForwardTrace, Segment, segment_positions
 from .config import LayerSpec, ModelConfig
 from .dspark import DSpark
 from .kv import LatentKV
@@ -85,9 +85,9 @@ class ML4(nn.Module):
         and nothing after reads the others): in prefill, the last layers' top-k and attention run once per chunk,
         not per token. A trace observes every row, so a traced forward computes them all.
         """
-        positions = segment_positions(segments, self.device)
+        positions, seg = segment_positions(segments, self.device)
         cos, sin = rope_cos_sin(rope_frequencies(self.cfg, self.lerope.alpha), positions, self.dtype)
-        b = AttentionBatch(segments, segment_slices(segments), positions, kv, cos, sin, {}, trace)
+        b = AttentionBatch(positions, seg, kv, cos, sin, {}, trace)
         keep, rows = None, logits_at                  # rows: logits_at as indices into the final h
         if logits_at is not None and trace is None:
             keep, rows = torch.unique(logits_at, return_inverse=True)
@@ -98,4 +98,8 @@ class ML4(nn.Module):
             if trace is not None and layer.spec.index in trace.tap_layers:
                 trace.taps[layer.spec.index] = h
         kv.end_step()
+        if trace is not None:   # per segment, as callers compare them request by request
+            lengths, split = [s.length for s in segments], {}   # sharers keep their owner's very object
+            trace.selections = {l: split.setdefault(id(sel), list(sel.split(lengths)))
+                                for l, sel in trace.selections.items()}
         return self.head(h if rows is None else h[rows])

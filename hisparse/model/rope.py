@@ -32,7 +32,7 @@ def yarn_frequencies(cfg: ModelConfig) -> torch.Tensor:
 
 def rope_frequencies(cfg: ModelConfig, lerope_alpha: torch.Tensor) -> torch.Tensor:
     """omega_j = omega^Y_j * exp(alpha_j) (LeRoPE: frequencies divided by exp(-alpha)), fp64 [dR/2]."""
-    return yarn_frequencies(cfg) * torch.exp(lerope_alpha.detach().to(torch.float64).cpu())
+    return yarn_frequencies(cfg).to(lerope_alpha.device) * torch.exp(lerope_alpha.detach().to(torch.float64))
 
 
 def rope_cos_sin(omega: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

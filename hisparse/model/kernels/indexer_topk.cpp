@@ -1,6 +1,6 @@
 // Fused lightning-indexer scoring + exact stable top-k (spec §3.6) for CPUs; loaded by indexer_topk.py.
 //
-// I[t, s] = sum_h w[t, h] * relu(sum_d q[t, h, d] * keys[s, d]) over the first n_visible[t] keys, with exactly
+// I[t, s] = sum_h w[t, h] * relu(sum_d q[t, h, d] * key_s[d]) over the first n_visible[t] keys, with exactly
 // the arithmetic of hisparse.model.indexer.index_scores: every product and sum rounded on its own (no FMA: built
 // with -ffp-contract=off), d summed left to right, heads summed left to right. SIMD lanes are consecutive keys
 // (keys are transposed to [dI, G] groups first), so every lane does the scalar sum in that order.
@@ -13,6 +13,11 @@
 // no positive head stops once its threshold reaches 0. Once a row's heap is full, groups are first scored with
 // explicit FMA intrinsics (an approximation within a rigorous bound of the exact score, see scan), and only the
 // vectors that come within that bound of the threshold are scored exactly: selections and scores are unchanged.
+//
+// Keys are paged: each query row belongs to a segment (a request), whose logical key j lives in a shared arena
+// at row table[seg][j / page_tokens] * page_tokens + j % page_tokens. Only the key addressing depends on it: a
+// block of keys is gathered through the page table while it is transposed, and scores and positions are those
+// of the logical keys. One contiguous keys array is the single segment with one page of all its keys.
 
 #include <algorithm>
 #include <cmath>
@@ -296,8 +301,21 @@ struct Indexer {
         }
     }
 
-    // Keys [b0, b0 + nb) -> kt: groups of G keys, each transposed to [dI, G], zero-padded to whole groups.
-    void transpose(const T* keys, int64_t b0, int64_t nb, T* kt) const {
+    // kp[j] = the arena row of logical key b0 + j, j < nb, for a segment's page list `pages`: one division per
+    // block, then page and offset are stepped (within a page the rows are consecutive).
+    void key_ptrs(const T* keys, const int64_t* pages, int64_t page_tokens, int64_t b0, int64_t nb,
+                  const T** kp) const {
+        int64_t p = b0 / page_tokens, o = b0 % page_tokens;
+        const T* row = keys + (pages[p] * page_tokens + o) * dI;
+        for (int64_t j = 0; j < nb; ++j) {
+            kp[j] = row;
+            row += dI;
+            if (++o == page_tokens && j + 1 < nb) o = 0, row = keys + pages[++p] * page_tokens * dI;
+        }
+    }
+
+    // Keys kp[0 .. nb) -> kt: groups of G keys, each transposed to [dI, G], zero-padded to whole groups.
+    void transpose(const T* const* kp, int64_t nb, T* kt) const {
         const int64_t padded = (nb + G - 1) / G * G;
         int64_t j = 0;
 #ifdef __AVX__
@@ -305,10 +323,10 @@ struct Indexer {
             if (dI % 8 == 0)
                 for (; j + 8 <= nb; j += 8) {
                     T* dst = kt + (j / G) * G * dI + j % G;
+                    const T* const* src = kp + j;   // 8 keys, each through its own pointer (pages may split them)
                     for (int64_t d0 = 0; d0 < dI; d0 += 8) {
-                        const T* src = keys + (b0 + j) * dI + d0;
                         __m256 r[8], t[8], u[8];
-                        for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * dI);
+                        for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src[i] + d0);
                         for (int i = 0; i < 8; i += 2) {
                             t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
                             t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
@@ -328,36 +346,48 @@ struct Indexer {
         }
 #endif
         for (; j < padded; ++j) {
-            const T* src = keys + (b0 + j) * dI;
             T* dst = kt + (j / G) * G * dI + j % G;
-            for (int64_t d = 0; d < dI; ++d) dst[d * G] = j < nb ? src[d] : T(0);
+            if (j < nb)
+                for (int64_t d = 0; d < dI; ++d) dst[d * G] = kp[j][d];
+            else
+                for (int64_t d = 0; d < dI; ++d) dst[d * G] = T(0);
         }
     }
 
-    // An upper bound of the norms of keys [b0, b0 + nb) (computed in double, rounded up).
-    T max_norm(const T* keys, int64_t b0, int64_t nb) const {
-        double m = 0;
-        for (int64_t j = b0; j < b0 + nb; ++j) {
-            double n2 = 0;
-            for (int64_t d = 0; d < dI; ++d) n2 += double(keys[j * dI + d]) * double(keys[j * dI + d]);
-            m = std::max(m, n2);
+    // An upper bound of the norms of the keys of a transposed block kt of nb keys (computed in double, rounded
+    // up): lanes are keys, so the per-key sums (d ascending) vectorise across keys; zero padding adds nothing.
+    T max_norm(const T* kt, int64_t nb) const {
+        double n2[G], m = 0;
+        for (int64_t j = 0; j < nb; j += G) {
+            const T* g = kt + j * dI;
+            for (int64_t c = 0; c < G; ++c) n2[c] = double(g[c]) * double(g[c]);
+            for (int64_t d = 1; d < dI; ++d)
+                for (int64_t c = 0; c < G; ++c) n2[c] += double(g[d * G + c]) * double(g[d * G + c]);
+            for (int64_t c = 0; c < G; ++c) m = std::max(m, n2[c]);
         }
         return T(std::sqrt(m) * (1 + 1e-6));
     }
 
-    // Rows `rows` of keys [S, dI]: per tile of rows, each block of keys is transposed once into an L1-sized buffer,
-    // then scanned by every row of the tile that sees it.
-    void run_rows(const T* q, const T* w, const T* keys, const int64_t* n_visible, int64_t width, int64_t* cols,
-                  T* scores, const std::vector<int64_t>& rows) const {
+    // Rows `rows`, each over its segment's paged keys: per tile of rows (consecutive entries of `rows` of one
+    // segment, so they share its keys), each block of keys is gathered and transposed once into an L1-sized
+    // buffer, then scanned by every row of the tile that sees it.
+    void run_rows(const T* q, const T* w, const T* keys, const int64_t* table, int64_t table_stride,
+                  int64_t page_tokens, const int64_t* row_seg, const int64_t* n_visible, int64_t width,
+                  int64_t* cols, T* scores, const std::vector<int64_t>& rows) const {
         const int64_t kb = std::max<int64_t>(G, ((int64_t(1) << 15) / (dI * sizeof(T))) / G * G);   // ~L1
         std::vector<T> kt_buf(kb * dI + 64 / sizeof(T));   // 64-byte aligned: split loads halve the throughput
         T* kt = (T*)(((uintptr_t)kt_buf.data() + 63) & ~uintptr_t(63));
+        std::vector<const T*> kp(kb);   // the block's keys in the arena
         std::vector<T> score(TILE_ROWS * k);
         std::vector<int64_t> pos(TILE_ROWS * k), heads(TILE_ROWS * HI), all_heads(HI);
         for (int64_t h = 0; h < HI; ++h) all_heads[h] = h;
         std::vector<Row> tile(TILE_ROWS);
-        for (size_t t0 = 0; t0 < rows.size(); t0 += TILE_ROWS) {
-            int64_t nt = std::min<int64_t>(TILE_ROWS, rows.size() - t0), n_max = 0;
+        const int64_t n_rows = rows.size();
+        for (int64_t t0 = 0, nt; t0 < n_rows; t0 += nt) {
+            const int64_t seg = row_seg[rows[t0]];
+            for (nt = 1; nt < TILE_ROWS && t0 + nt < n_rows && row_seg[rows[t0 + nt]] == seg; ++nt) {}
+            const int64_t* pages = table + seg * table_stride;
+            int64_t n_max = 0;
             for (int64_t i = 0; i < nt; ++i) {
                 int64_t t = rows[t0 + i];
                 Row& r = tile[i];
@@ -373,8 +403,10 @@ struct Indexer {
                 for (int64_t i = 0; i < nt && !needed; ++i)
                     needed = !tile[i].done && tile[i].n > b0;
                 if (!needed) break;
-                transpose(keys, b0, std::min(kb, n_max - b0), kt);
-                const T kmax = max_norm(keys, b0, std::min(kb, n_max - b0));
+                const int64_t nb = std::min(kb, n_max - b0);
+                key_ptrs(keys, pages, page_tokens, b0, nb, kp.data());
+                transpose(kp.data(), nb, kt);
+                const T kmax = max_norm(kt, nb);
                 for (int64_t i = 0; i < nt; ++i) {
                     Row& r = tile[i];
                     if (r.done || r.n <= b0) continue;
@@ -393,11 +425,14 @@ struct Indexer {
     }
 };
 
-// Top-k columns of every row t among its first n_visible[t] keys; rows are dealt to the threads round-robin.
+// Top-k columns of every row t among the first n_visible[t] keys of its segment; rows are dealt to the threads
+// round-robin.
 template <typename T>
-int topk(const T* q, const T* w, const T* keys, const int64_t* n_visible, int64_t T_, int64_t HI, int64_t dI,
-         int64_t S, int64_t k, int64_t* cols, T* scores, int n_threads) {
-    if (HI < 1 || dI < 1 || k < 1) return 1;
+int topk(const T* q, const T* w, const T* keys, const int64_t* table, int64_t table_stride, int64_t page_tokens,
+         const int64_t* row_seg, const int64_t* n_visible, int64_t T_, int64_t HI, int64_t dI, int64_t S, int64_t k,
+         int64_t* cols, T* scores, int n_threads) {
+    if (HI < 1 || dI < 1 || k < 1 || page_tokens < 1 || table_stride < 0 || S < 0) return 1;
+    if (S > table_stride * page_tokens) return 1;   // a visible key would lie past its segment's page list
     for (int64_t t = 0; t < T_; ++t)
         if (n_visible[t] < 0 || n_visible[t] > S) return 2;
     const int64_t width = std::min(k, S);
@@ -412,7 +447,8 @@ int topk(const T* q, const T* w, const T* keys, const int64_t* n_visible, int64_
         try {
             std::vector<int64_t> rows;   // rows tid, tid + nth, ...: balanced under the causal mask
             for (int64_t t = tid; t < T_; t += nth) rows.push_back(t);
-            Indexer<T>{HI, dI, k}.run_rows(q, w, keys, n_visible, width, cols, scores, rows);
+            Indexer<T>{HI, dI, k}.run_rows(q, w, keys, table, table_stride, page_tokens, row_seg, n_visible, width,
+                                           cols, scores, rows);
         } catch (const std::bad_alloc&) {
 #pragma omp atomic write
             oom = true;
@@ -425,19 +461,27 @@ int topk(const T* q, const T* w, const T* keys, const int64_t* n_visible, int64_
 
 extern "C" {
 
-// q [T, HI, dI], w [T, HI] (scaled head weights), keys [S, dI] in position order, n_visible [T] -> cols [T, width]
-// (width = min(k, S)) and, when not null, scores [T, width]. Returns 0, or 1 / 2 / 3: bad sizes / bad n_visible /
-// out of memory.
-int indexer_topk_f32(const float* q, const float* w, const float* keys, const int64_t* n_visible, int64_t T,
-                     int64_t HI, int64_t dI, int64_t S, int64_t k, int64_t* cols, float* scores, int n_threads) {
-    return topk<float>(q, w, keys, n_visible, T, HI, dI, S, k, cols, scores, n_threads);
+// q [T, HI, dI], w [T, HI] (scaled head weights), keys: the arena [rows, dI]; table [segments, table_stride]:
+// each segment's page ids, page p = arena rows p * page_tokens .. + page_tokens - 1; row_seg [T]: each row's
+// segment; n_visible [T] (0..S): row t sees its segment's logical keys 0 .. n_visible[t] - 1, key j at arena row
+// table[row_seg[t] * table_stride + j / page_tokens] * page_tokens + j % page_tokens. -> cols [T, width] (width =
+// min(k, S); logical key indices) and, when not null, scores [T, width]. Page ids and row_seg are not checked
+// (the caller's job). Returns 0, or 1 / 2 / 3: bad sizes / bad n_visible / out of memory.
+int indexer_topk_f32(const float* q, const float* w, const float* keys, const int64_t* table, int64_t table_stride,
+                     int64_t page_tokens, const int64_t* row_seg, const int64_t* n_visible, int64_t T, int64_t HI,
+                     int64_t dI, int64_t S, int64_t k, int64_t* cols, float* scores, int n_threads) {
+    return topk<float>(q, w, keys, table, table_stride, page_tokens, row_seg, n_visible, T, HI, dI, S, k, cols,
+                       scores, n_threads);
 }
 
 int indexer_vec_bytes() { return VEC_BYTES; }
 
-int indexer_topk_f64(const double* q, const double* w, const double* keys, const int64_t* n_visible, int64_t T,
-                     int64_t HI, int64_t dI, int64_t S, int64_t k, int64_t* cols, double* scores, int n_threads) {
-    return topk<double>(q, w, keys, n_visible, T, HI, dI, S, k, cols, scores, n_threads);
+int indexer_topk_f64(const double* q, const double* w, const double* keys, const int64_t* table,
+                     int64_t table_stride, int64_t page_tokens, const int64_t* row_seg, const int64_t* n_visible,
+                     int64_t T, int64_t HI, int64_t dI, int64_t S, int64_t k, int64_t* cols, double* scores,
+                     int n_threads) {
+    return topk<double>(q, w, keys, table, table_stride, page_tokens, row_seg, n_visible, T, HI, dI, S, k, cols,
+                        scores, n_threads);
 }
 
 }

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import operator
 import os
 import platform
 import shutil
@@ -94,7 +95,9 @@ def library(build: Build = Build()) -> ctypes.CDLL | None:
     for name in FUNCTIONS.values():
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5 + [ctypes.c_void_p] * 2 + [ctypes.c_int]
+        # q, w, keys, table; table_stride, page_tokens; row_seg, n_visible; T, HI, dI, S, k; cols, scores; threads
+        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 5 + \
+            [ctypes.c_void_p] * 2 + [ctypes.c_int]
     return lib
 
 
@@ -134,17 +137,94 @@ def fused_topk(q: torch.Tensor, wr: torch.Tensor, keys: torch.Tensor, n_visible:
     if keys.shape[1] != dI or wr.shape != (T, HI) or n_visible.shape != (T,):
         raise ValueError(f"fused_topk: shapes q {tuple(q.shape)}, wr {tuple(wr.shape)}, keys {tuple(keys.shape)}, "
                          f"n_visible {tuple(n_visible.shape)} do not match")
+    # one segment whose one page holds all S keys
+    table = torch.zeros(1, 1, dtype=torch.int64)
+    row_seg = torch.zeros(T, dtype=torch.int64)
+    return _launch(lib, "fused_topk", q, wr, keys, table, max(S, 1), row_seg, n_visible.to(torch.int64), S, k,
+                   with_scores)
+
+
+def fused_topk_paged(q: torch.Tensor, wr: torch.Tensor, keys: torch.Tensor, table: torch.Tensor, page_tokens: int,
+                     row_seg: torch.Tensor, n_visible: torch.Tensor, k: int, with_scores: bool = False,
+                     build: Build = Build()) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fused_topk for a batch of rows of several requests (segments), each reading its keys through a page table.
+
+    keys [N, dI]: the shared arena; table [n_segments, P] (int64): each segment's page ids, page p = arena rows
+    p * page_tokens .. (p + 1) * page_tokens - 1; row_seg [T] (int64): each row's segment; n_visible [T] (int64,
+    0..S with S = P * page_tokens). Row t's logical key j (j < n_visible[t]) is arena row
+    table[row_seg[t], j // page_tokens] * page_tokens + j % page_tokens. -> (cols [T, min(k, S)] of logical key
+    indices, scores or None), as fused_topk gives on the row's segment's keys gathered in logical order. Rows
+    share a cached key block only with neighbouring rows of the same segment, so rows grouped by segment run
+    fastest.
+    """
+    lib = library(build)
+    if lib is None:
+        raise RuntimeError("fused_topk_paged needs the built kernel")
+    tensors = {"q": q, "wr": wr, "keys": keys, "table": table, "row_seg": row_seg, "n_visible": n_visible}
+    for name, x in tensors.items():
+        if not isinstance(x, torch.Tensor) or x.device.type != "cpu":
+            raise ValueError(f"fused_topk_paged: {name} must be a CPU tensor")
+    if q.dtype not in FUNCTIONS:
+        raise ValueError(f"fused_topk_paged: q must be float32 or float64, not {q.dtype}")
+    for name in ("wr", "keys"):
+        if tensors[name].dtype != q.dtype:
+            raise ValueError(f"fused_topk_paged: {name} must have q's dtype {q.dtype}, not {tensors[name].dtype}")
+    for name in ("table", "row_seg", "n_visible"):
+        if tensors[name].dtype != torch.int64:
+            raise ValueError(f"fused_topk_paged: {name} must be int64, not {tensors[name].dtype}")
+    if q.dim() != 3:
+        raise ValueError(f"fused_topk_paged: q must be [T, HI, dI], not {tuple(q.shape)}")
+    T, HI, dI = q.shape
+    expect = {"wr": (T, HI), "row_seg": (T,), "n_visible": (T,)}
+    for name, shape in expect.items():
+        if tensors[name].shape != shape:
+            raise ValueError(f"fused_topk_paged: {name} must be {list(shape)}, not {list(tensors[name].shape)}")
+    if keys.dim() != 2 or keys.shape[1] != dI:
+        raise ValueError(f"fused_topk_paged: keys must be [N, dI={dI}], not {list(keys.shape)}")
+    if table.dim() != 2:
+        raise ValueError(f"fused_topk_paged: table must be [n_segments, pages], not {list(table.shape)}")
+    try:
+        page_tokens = operator.index(page_tokens)
+    except TypeError:
+        page_tokens = 0
+    if isinstance(page_tokens, bool) or page_tokens < 1:
+        raise ValueError("fused_topk_paged: page_tokens must be an int >= 1")
+    n_seg, n_pages = table.shape
+    S = n_pages * page_tokens
+    if T and (int(row_seg.min()) < 0 or int(row_seg.max()) >= n_seg):
+        raise ValueError(f"fused_topk_paged: row_seg must lie in [0, {n_seg}) (table has {n_seg} segments)")
+    if T and (int(n_visible.min()) < 0 or int(n_visible.max()) > S):
+        raise ValueError(f"fused_topk_paged: n_visible must lie in [0, {S}] ({n_pages} pages of {page_tokens})")
+    if T and n_pages:
+        # every page a row reads must lie in the arena: per segment, the most keys any of its rows sees sets
+        # which pages are read, and up to which offset (the last one may be read only in part)
+        seen = torch.zeros(n_seg, dtype=torch.int64).scatter_reduce(0, row_seg, n_visible, "amax")
+        last = (seen[:, None] - torch.arange(n_pages) * page_tokens).clamp(max=page_tokens) - 1   # <0: unread
+        bad = (last >= 0) & ((table < 0) | (table > (keys.shape[0] - 1 - last) // page_tokens))
+        if bool(bad.any()):
+            seg, page = (int(i) for i in bad.nonzero()[0])
+            raise ValueError(f"fused_topk_paged: table[{seg}, {page}] = {int(table[seg, page])} is read but not a "
+                             f"page of keys ({keys.shape[0]} rows, {page_tokens} per page)")
+    return _launch(lib, "fused_topk_paged", q, wr, keys, table, page_tokens, row_seg, n_visible, S, k, with_scores)
+
+
+def _launch(lib: ctypes.CDLL, caller: str, q: torch.Tensor, wr: torch.Tensor, keys: torch.Tensor,
+            table: torch.Tensor, page_tokens: int, row_seg: torch.Tensor, n_visible: torch.Tensor, S: int, k: int,
+            with_scores: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run the kernel on checked inputs (see indexer_topk.cpp) and map its return code to an exception."""
+    T, HI, dI = q.shape
     q, wr, keys = q.contiguous(), wr.contiguous(), keys.contiguous()
-    n_vis = n_visible.to(torch.int64).contiguous()
+    table, row_seg, n_vis = table.contiguous(), row_seg.contiguous(), n_visible.contiguous()
     cols = torch.empty(T, min(k, S), dtype=torch.int64)
     scores = torch.empty(T, min(k, S), dtype=q.dtype) if with_scores else None
-    rc = getattr(lib, FUNCTIONS[q.dtype])(q.data_ptr(), wr.data_ptr(), keys.data_ptr(), n_vis.data_ptr(), T, HI, dI,
-                                          S, k, cols.data_ptr(), scores.data_ptr() if with_scores else None,
+    rc = getattr(lib, FUNCTIONS[q.dtype])(q.data_ptr(), wr.data_ptr(), keys.data_ptr(), table.data_ptr(),
+                                          table.shape[1], page_tokens, row_seg.data_ptr(), n_vis.data_ptr(), T, HI,
+                                          dI, S, k, cols.data_ptr(), scores.data_ptr() if with_scores else None,
                                           torch.get_num_threads())
     if rc == 1:
-        raise ValueError(f"fused_topk: index_n_heads={HI}, index_head_dim={dI}, index_topk={k} must be >= 1")
+        raise ValueError(f"{caller}: index_n_heads={HI}, index_head_dim={dI}, index_topk={k} must be >= 1")
     if rc == 2:
-        raise ValueError(f"fused_topk: n_visible must lie in [0, {S}]")
+        raise ValueError(f"{caller}: n_visible must lie in [0, {S}]")
     if rc == 3:
-        raise MemoryError(f"fused_topk: out of memory for the per-thread buffers (k={k}, HI={HI}, dI={dI})")
+        raise MemoryError(f"{caller}: out of memory for the per-thread buffers (k={k}, HI={HI}, dI={dI})")
     return cols, scores

@@ -1,0 +1,72 @@
+"""The device arena: one tensor [rows, row_bytes] holding every request's working set, so that any selected row
+of any request is one index into one tensor (a single gather per layer).
+
+Regions, each addressed through the request's slot r (a per-request slot table in the style of vLLM's block
+table):
+  hot[layer]     [R, n_slots]       the layer's hot buffer (LRU metadata per index group: `resolver.HotSlots`)
+  window[owner]  [R, W + sinks]     newest W positions (ring, p % W) then the first `sinks` positions
+  step[owner]    [step_cap]         the rows this step writes (row i of the step's write = step row i)
+  zero, scratch  one row each       zero: what an empty selection reads; scratch: where writes with nowhere to go land
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class DeviceArena:
+    def __init__(self, layers: Sequence[int], owners: Sequence[int], n_slots: int, window: int, sinks: int,
+                 row_bytes: int, device: torch.device):
+        self.layers, self.owners = list(layers), list(owners)
+        self.n_slots, self.window, self.sinks, self.row_bytes = n_slots, window, sinks, row_bytes
+        self.device = device
+        self.slots, self.step_cap = 0, 0
+        self.data = torch.zeros(2, row_bytes, dtype=torch.uint8, device=device)
+        self._layout()
+
+    @property
+    def win_rows(self) -> int:
+        return self.window + self.sinks
+
+    def _layout(self) -> None:
+        """Region bases for the current (slots, step_cap)."""
+        R, off = self.slots, 0
+        self.hot_base, self.win_base, self.step_base = {}, {}, {}
+        for l in self.layers:
+            self.hot_base[l], off = off, off + R * self.n_slots
+        for l in self.owners:
+            self.win_base[l], off = off, off + R * self.win_rows
+        for l in self.owners:
+            self.step_base[l], off = off, off + self.step_cap
+        self.zero_row, self.scratch_row = off, off + 1
+        self.n_rows = off + 2
+
+    def regions(self) -> list[tuple[int, int, int]]:
+        """(base, rows per slot, slots) of every per-request region, for re-layout."""
+        return ([(self.hot_base[l], self.n_slots, self.slots) for l in self.layers]
+                + [(self.win_base[l], self.win_rows, self.slots) for l in self.owners])
+
+    def fit(self, slots: int, step_rows: int) -> None:
+        """Room for `slots` request slots and `step_rows` new rows per step (grows by doubling; keeps contents).
+        Called between steps only: the layer loop never reallocates."""
+        if slots <= self.slots and step_rows <= self.step_cap:
+            return
+        old, old_regions = self.data, self.regions()
+        self.slots = max(self.slots, slots, 2 * self.slots if slots > self.slots else 0)
+        self.step_cap = max(self.step_cap, step_rows, 2 * self.step_cap if step_rows > self.step_cap else 0)
+        self._layout()
+        self.data = torch.zeros(self.n_rows, self.row_bytes, dtype=torch.uint8, device=self.device)
+        for (ob, per, n), (nb, _, _) in zip(old_regions, self.regions()):
+            self.data[nb: nb + per * n] = old[ob: ob + per * n]
+
+    def window_index(self, slot: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Row within the window regions' per-slot layout (add win_base[owner]) of resident positions."""
+        ring = positions % self.window if self.window else torch.zeros_like(positions)
+        local = torch.where(positions < self.sinks, self.window + positions, ring)
+        return slot * self.win_rows + local
+
+    def slot_bytes(self) -> int:
+        """Device bytes one request slot holds (hot buffers of every layer + windows of every KV owner)."""
+        return (len(self.layers) * self.n_slots + len(self.owners) * self.win_rows) * self.row_bytes

@@ -1,0 +1,73 @@
+"""Page allocation shared by every paged store: fixed-size pages of `page_tokens` consecutive positions.
+
+A request's page list maps position p to row `pages[p // P] * P + p % P` of any store laid out in pages (the
+host pool's latent rows, the device's indexer keys, ResidentKV's device rows), so one table per request serves
+them all. Allocation is host bookkeeping done once per step (`ensure` before a forward writes), never per layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import torch
+
+
+class PoolExhausted(RuntimeError):
+    """No free page for a write; nothing was changed."""
+
+
+class PageTable:
+    """Page ids per request over `n_pages` pages (`growable`: the page count doubles instead of failing)."""
+
+    def __init__(self, n_pages: int, page_tokens: int, growable: bool = False, name: str = "host pool"):
+        if page_tokens < 1:
+            raise ValueError(f"page_tokens: must be >= 1, got {page_tokens}")
+        self.n_pages, self.page_tokens, self.growable, self.name = n_pages, page_tokens, growable, name
+        self.free_pages = list(range(n_pages - 1, -1, -1))   # stack: pop() gives the lowest id first
+        self.tables: dict[Hashable, list[int]] = {}
+        self.high_water = 0   # 1 + the highest page id ever handed out: what a store laid out in pages must hold
+
+    @property
+    def pages_used(self) -> int:
+        return self.n_pages - len(self.free_pages)
+
+    def pages_needed(self, req: Hashable, n_positions: int) -> int:
+        return -(-n_positions // self.page_tokens) - len(self.tables.get(req, ()))
+
+    def ensure(self, req: Hashable, n_positions: int) -> None:
+        """Make positions [0, n_positions) of req addressable; PoolExhausted (nothing changed) if it can't."""
+        need = self.pages_needed(req, n_positions)
+        if need <= 0:
+            return
+        if need > len(self.free_pages) and self.growable:
+            grow = max(self.n_pages, need - len(self.free_pages))
+            self.free_pages = list(range(self.n_pages + grow - 1, self.n_pages - 1, -1)) + self.free_pages
+            self.n_pages += grow
+        if need > len(self.free_pages):
+            raise PoolExhausted(f"{self.name} exhausted: request {req!r} needs {need} more pages of "
+                                f"{self.page_tokens} tokens, {len(self.free_pages)} free of {self.n_pages}")
+        new = [self.free_pages.pop() for _ in range(need)]
+        self.tables.setdefault(req, []).extend(new)
+        self.high_water = max(self.high_water, max(new) + 1)
+
+    def free(self, req: Hashable) -> None:
+        pages = self.tables.pop(req, None)
+        if pages is not None:
+            self.free_pages.extend(reversed(pages))
+
+    def pages_of(self, req: Hashable) -> int:
+        return len(self.tables.get(req, ()))
+
+    def table(self, reqs: Sequence[Hashable], device: torch.device | str = "cpu") -> torch.Tensor:
+        """Page ids [len(reqs), max pages] (long; rows padded with page 0, never read past a request's length)."""
+        width = max([1] + [len(self.tables.get(r, ())) for r in reqs])
+        out = torch.zeros(len(reqs), width, dtype=torch.long)
+        for i, r in enumerate(reqs):
+            pages = self.tables.get(r, ())
+            out[i, : len(pages)] = torch.tensor(pages, dtype=torch.long)
+        return out.to(device)
+
+
+def paged_rows(table: torch.Tensor, seg: torch.Tensor, positions: torch.Tensor, page_tokens: int) -> torch.Tensor:
+    """Flat store rows of `positions` (any shape) of segments `seg` (same shape) under the page `table`."""
+    return table[seg, positions // page_tokens] * page_tokens + positions % page_tokens
