@@ -63,7 +63,8 @@ def test_resolver_matches_lru_model(requests: list[list[list[int]]], n_slots: in
     for t in range(1, max(len(r) for r in requests) + 1):
         sels = [r[t - 1] if t <= len(r) else [] for r in requests]
         plan, seg, sel = resolve_batch(hot, sels, slots, t, rows_per_seg)
-        kind, local = plan.locate(seg, sel)
+        j = plan.locate(seg, sel)
+        kind, local = plan.kind[j], plan.local[j]
         assert plan.n_unique == sum(len(s) for s in sels)
         expected_misses = 0
         for i, s in enumerate(sels):
@@ -88,8 +89,8 @@ def test_overflow_misses_are_transient() -> None:
     hot = HotSlots(4, torch.device("cpu"))
     hot.fit(1)
     plan, seg, sel = resolve_batch(hot, [list(range(10))], [0], 1)
-    kind, _ = plan.locate(seg, sel)
-    assert plan.n_misses == 10 and int((plan.miss_dest >= 0).sum()) == 4
+    kind = plan.kind[plan.locate(seg, sel)]
+    assert plan.n_misses == 10 and plan.n_transient == 6 and int((plan.miss_dest >= 0).sum()) == 4
     assert (kind[0, :4] == HOT).all() and (kind[0, 4:] == EXTRA).all()
 
 
@@ -99,6 +100,6 @@ def test_clear_forgets_rolled_back_positions() -> None:
     resolve_batch(hot, [[1, 5, 9, 12], [1, 5, 9, 12]], [0, 1], 1)
     hot.clear(0, 9)
     plan, seg, sel = resolve_batch(hot, [[1, 5, 9, 12], [1, 5, 9, 12]], [0, 1], 2)
-    kind, _ = plan.locate(seg, sel)
+    kind = plan.kind[plan.locate(seg, sel)]
     assert plan.n_misses == 2                                            # request 1 kept all four
     assert (kind == HOT).all()

@@ -17,9 +17,11 @@ import torch
 
 
 class DeviceArena:
-    def __init__(self, layers: Sequence[int], owners: Sequence[int], n_slots: int, window: int, sinks: int,
-                 row_bytes: int, device: torch.device):
-        self.layers, self.owners = list(layers), list(owners)
+    def __init__(self, source: dict[int, int], n_slots: int, window: int, sinks: int, row_bytes: int,
+                 device: torch.device):
+        """source: every attending layer -> the KV-owning layer whose rows it reads."""
+        self.source = dict(source)
+        self.layers, self.owners = list(source), sorted(set(source.values()))
         self.n_slots, self.window, self.sinks, self.row_bytes = n_slots, window, sinks, row_bytes
         self.device = device
         self.slots, self.step_cap = 0, 0
@@ -42,6 +44,15 @@ class DeviceArena:
             self.step_base[l], off = off, off + self.step_cap
         self.zero_row, self.scratch_row = off, off + 1
         self.n_rows = off + 2
+        # per layer, the base added to a resolved entry's local row, by kind (STEP, WINDOW, HOT, EXTRA, NONE:
+        # transient misses and empty selections read the zero row; transient ones are patched in afterwards)
+        self.kind_base = {l: torch.tensor([self.step_base.get(src, 0), self.win_base.get(src, 0), self.hot_base[l],
+                                           self.zero_row, self.zero_row], dtype=torch.long, device=self.device)
+                          for l, src in self.source.items()}
+        self.owner_step_base = torch.tensor([[self.step_base[o]] for o in self.owners], dtype=torch.long,
+                                            device=self.device)                              # [O, 1]
+        self.owner_win_base = torch.tensor([[self.win_base[o]] for o in self.owners], dtype=torch.long,
+                                           device=self.device)                               # [O, 1]
 
     def regions(self) -> list[tuple[int, int, int]]:
         """(base, rows per slot, slots) of every per-request region, for re-layout."""
@@ -60,6 +71,10 @@ class DeviceArena:
         self.data = torch.zeros(self.n_rows, self.row_bytes, dtype=torch.uint8, device=self.device)
         for (ob, per, n), (nb, _, _) in zip(old_regions, self.regions()):
             self.data[nb: nb + per * n] = old[ob: ob + per * n]
+
+    def gather(self, idx: torch.Tensor) -> torch.Tensor:
+        """Rows [*idx.shape, row_bytes] at arena rows idx."""
+        return torch.index_select(self.data, 0, idx.flatten()).view(*idx.shape, self.row_bytes)
 
     def window_index(self, slot: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Row within the window regions' per-slot layout (add win_base[owner]) of resident positions."""

@@ -45,7 +45,7 @@ class HiSparseKV(LatentKV):
         self.pool, self.n_slots, self.window, self.sinks = pool, n_slots, window, sink_tokens
         self.copier = Copier(self.device)
         self.members = {o: [l.index for l in cfg.layers if l.index_source == o] for o in cfg.index_owner_layers}
-        self.arena = DeviceArena(range(cfg.n_layers), cfg.kv_owner_layers, n_slots, window, sink_tokens,
+        self.arena = DeviceArena({l.index: l.kv_source for l in cfg.layers}, n_slots, window, sink_tokens,
                                  self.layout.row_bytes, self.device)
         self.hot = {g: HotSlots(n_slots, self.device) for g in cfg.index_owner_layers}
         self.slot_of: dict[Hashable, int] = {}       # request -> its slot in the arena and the hot metadata
@@ -55,7 +55,9 @@ class HiSparseKV(LatentKV):
         self.step = 0
         self.step_slot = self.step_row0 = None        # [S] per segment: request slot, first row in the step region
         self.step_rows: tuple[torch.Tensor, torch.Tensor] | None = None   # (seg, positions) of this step's writes
+        self.step_host_rows: torch.Tensor | None = None   # their rows in a host-pool layer view (host tensor)
         self.plans: dict[int, Plan] = {}
+        self.located: tuple[torch.Tensor, torch.Tensor] | None = None   # (selection, its plan entries)
         self.fetched: dict[int, tuple[torch.Tensor, object | None]] = {}   # layer -> (its misses' rows, event)
 
     # ---- capacity ----
@@ -80,33 +82,27 @@ class HiSparseKV(LatentKV):
         self.step_row0 = self.tables.start.new_zeros(len(segments))
         self.step += 1
         self.stats.steps += 1
-        self.step_rows = None
+        self.step_rows = self.step_host_rows = self.located = None
         self.plans.clear()
         self.fetched.clear()
 
     def end_step(self) -> None:
-        """Finish the host backups, then move the step's newest rows into the resident windows (one scatter per
-        KV-owning layer) and advance every written request's window bounds."""
+        """Finish the host backups, then move the step's newest rows into the resident windows (one gather and
+        one scatter for every KV-owning layer at once) and advance every written request's window bounds."""
         self.copier.flush()
         if self.step_rows is not None:
             seg, pos = self.step_rows
             a, slot = self.arena, self.step_slot[seg]
             end = self.tables.end[seg]
-            into_ring = (pos >= end - self.window) if self.window else torch.zeros_like(pos, dtype=torch.bool)
-            into_sink = pos < self.sinks
-            step_idx = torch.arange(pos.numel(), device=self.device)
-            for owner in self.cfg.kv_owner_layers:
-                src = a.data[a.step_base[owner] + step_idx]
-                base = a.win_base[owner] + slot * a.win_rows
-                ring = torch.where(into_ring, base + (pos % max(1, self.window)), a.scratch_row)
-                sink = torch.where(into_sink, base + self.window + pos.clamp(max=max(0, self.sinks - 1)),
-                                   a.scratch_row)
-                a.data.index_copy_(0, ring, src)
-                a.data.index_copy_(0, sink, src)
+            src = a.gather(a.owner_step_base + torch.arange(pos.numel(), device=self.device))      # [O, n, B]
+            # sink positions go to their sink rows, the segment's newest W others to their ring rows (p % W)
+            keep = (pos < self.sinks) | (pos >= end - self.window) if self.window else pos < self.sinks
+            dest = torch.where(keep, a.owner_win_base + a.window_index(slot, pos), a.scratch_row)    # [O, n]
+            a.data.index_copy_(0, dest.flatten(), src.flatten(0, 1))
             written = torch.zeros_like(self.win_len).scatter_reduce_(0, slot, end, "amax")
             self.win_len = torch.maximum(self.win_len, written)
             self.win_lo = torch.maximum(self.win_lo, self.win_len - self.window)
-        self.step_rows = None
+        self.step_rows = self.step_host_rows = self.located = None
         self.plans.clear()
         self.fetched.clear()
 
@@ -115,15 +111,15 @@ class HiSparseKV(LatentKV):
         """This step's new rows of every request: into the arena's step region (read by this step's gathers and
         moved into the windows at end_step), and backed up to the host pool eagerly."""
         data = self.encode(rows).to(self.device)
-        if self.step_rows is None:    # the same rows every KV-owning layer: segment offsets once per step
+        if self.step_rows is None:    # the same rows every KV-owning layer: addressing once per step
             self.step_rows = (seg, positions)
             counts = torch.bincount(seg, minlength=self.step_row0.numel())
             self.step_row0 = torch.cumsum(counts, 0) - counts
+            self.step_host_rows = paged_rows(self.tables.pages, seg, positions, self.page_tokens).cpu()
         a = self.arena
         a.data[a.step_base[layer]: a.step_base[layer] + data.shape[0]] = data
-        host_rows = paged_rows(self.tables.pages, seg, positions, self.page_tokens).cpu()
         view = self.pool.layer_view(layer)
-        self.copier.backup(data, lambda d, v=view, r=host_rows: v.index_copy_(0, r, d.cpu()))
+        self.copier.backup(data, lambda d, v=view, r=self.step_host_rows: v.index_copy_(0, r, d.cpu()))
         self.stats.device_to_host_bytes += data.numel()
 
     def gather(self, layer: int, seg: torch.Tensor, sel: torch.Tensor) -> RowSource:
@@ -134,20 +130,20 @@ class HiSparseKV(LatentKV):
             plan = self.plans[group] = self.plan_group(group, seg, sel)
         extra, event = self.fetched.pop(layer)
         self.copier.wait(event)
-        kind, local = plan.locate(seg, sel)
-        a, src = self.arena, self.source(layer)
-        base = torch.tensor([a.step_base.get(src, 0), a.win_base.get(src, 0), a.hot_base[layer], 0, a.zero_row],
-                            dtype=torch.long, device=self.device)
-        idx = torch.where(kind == EXTRA, a.zero_row, local + base[kind])
+        if self.located is None or self.located[0] is not sel:   # members of a group share the selection
+            self.located = (sel, plan.locate(seg, sel))
+        j = self.located[1]
+        a = self.arena
+        idx = (plan.local + a.kind_base[layer][plan.kind])[j]                                  # [n, k]
         self.stats.hits += plan.n_unique - plan.n_misses
         self.stats.misses += plan.n_misses
         self.stats.host_to_device_bytes += plan.n_misses * self.layout.row_bytes
-        transient = kind == EXTRA if extra.shape[0] else None
+        transient = (plan.kind[j] == EXTRA) if plan.n_transient else None
 
         def rows(lo: int, hi: int) -> torch.Tensor:
-            data = a.data[idx[lo:hi]]
-            if transient is not None:
-                data = torch.where(transient[lo:hi, :, None], extra[local[lo:hi].clamp(0, extra.shape[0] - 1)], data)
+            data = a.gather(idx[lo:hi])
+            if transient is not None:   # rows copied for this step only
+                data = torch.where(transient[lo:hi, :, None], extra[plan.extra[j[lo:hi]].clamp(min=0)], data)
             return self.decode(data)
         return rows
 

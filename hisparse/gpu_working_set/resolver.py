@@ -31,6 +31,7 @@ class HotSlots:
         self.n_slots, self.device, self.slots = n_slots, device, 0
         self.pos = torch.full((1,), EMPTY, dtype=torch.long, device=device)
         self.stamp = torch.full((1,), EMPTY, dtype=torch.long, device=device)
+        self.key_base = torch.zeros(0, dtype=torch.long, device=device)    # [R * n_slots] slot's request * KEY_SPAN
 
     def fit(self, slots: int) -> None:
         """Room for `slots` request slots (new slots empty; called between steps)."""
@@ -43,6 +44,7 @@ class HotSlots:
             new[: old.numel() - 1] = old[:-1]
             setattr(self, name, new)
         self.slots = slots
+        self.key_base = torch.arange(slots, device=self.device).repeat_interleave(self.n_slots) * KEY_SPAN
 
     @property
     def scratch(self) -> int:
@@ -65,8 +67,7 @@ class HotSlots:
         if self.n_slots == 0:
             return torch.full_like(positions, EMPTY)
         held = self.pos[:-1]
-        owner = torch.arange(self.slots, device=self.device).repeat_interleave(self.n_slots)
-        keys = torch.where(held >= 0, owner * KEY_SPAN + held, EMPTY)
+        keys = torch.where(held >= 0, self.key_base + held, EMPTY)
         sorted_keys, order = torch.sort(keys)
         want = slot * KEY_SPAN + positions
         j = torch.searchsorted(sorted_keys, want).clamp(max=sorted_keys.numel() - 1)
@@ -79,30 +80,31 @@ class HotSlots:
 @dataclass
 class Plan:
     """One index group's resolution for one step. Entries are the step's (segment, position) pairs sorted by
-    key = segment * KEY_SPAN + position; a query row's selection finds its entries by binary search.
+    key = segment * KEY_SPAN + position, then one NO_KEY entry (kind NONE) that empty selections find; a query
+    row's selection finds its entries by binary search (`locate`).
 
-    keys [E] sorted (NO_KEY for padding), kind [E] (STEP / WINDOW / HOT / EXTRA / NONE), local [E]: the row
-    inside the kind's region (add the layer's region base), or for EXTRA the index into the fetched misses.
-    miss_entries [M]: the entries copied from the host this step (M is the one host-side count of the plan);
-    miss_dest [M]: their flat hot slot, or the scratch slot for transient misses."""
+    kind [E + 1] (STEP / WINDOW / HOT / EXTRA / NONE), local [E + 1]: the row inside the kind's region (add the
+    layer's region base; 0 for EXTRA and NONE), extra [E + 1]: an EXTRA entry's index among the fetched misses.
+    miss_seg/miss_pos [M]: the entries copied from the host this step (M is the plan's one data-dependent size);
+    miss_dest [M]: their flat hot slot, or -1 for a transient miss. n_transient of them are transient."""
     keys: torch.Tensor
     kind: torch.Tensor
     local: torch.Tensor
+    extra: torch.Tensor
     miss_seg: torch.Tensor
     miss_pos: torch.Tensor
     miss_dest: torch.Tensor
     n_unique: int
+    n_transient: int
 
     @property
     def n_misses(self) -> int:
         return self.miss_seg.numel()
 
-    def locate(self, seg: torch.Tensor, sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(kind, local) [n, k] of a selection sel [n, k] (-1 padded) of rows of segments seg [n]."""
+    def locate(self, seg: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
+        """Entry index [n, k] of every position of a selection sel [n, k] (-1 padded) of rows of segments seg."""
         want = torch.where(sel >= 0, seg[:, None] * KEY_SPAN + sel, NO_KEY)
-        j = torch.searchsorted(self.keys, want.flatten()).clamp(max=self.keys.numel() - 1).view_as(sel)
-        kind = torch.where(sel >= 0, self.kind[j], NONE)
-        return kind, torch.where(sel >= 0, self.local[j], 0)
+        return torch.searchsorted(self.keys, want)
 
 
 def resolve(hot: HotSlots, slot_of_seg: torch.Tensor, step_start: torch.Tensor, step_row0: torch.Tensor,
@@ -115,7 +117,7 @@ def resolve(hot: HotSlots, slot_of_seg: torch.Tensor, step_start: torch.Tensor, 
     that position's row in the step region; win_lo/win_len [R]: per request slot the resident window [lo, len);
     window_index(slot, positions): row in the window regions."""
     keys = torch.where(sel >= 0, seg[:, None] * KEY_SPAN + sel, NO_KEY).flatten()
-    keys, _ = torch.sort(keys)
+    keys, _ = torch.sort(torch.cat((keys, keys.new_full((1,), NO_KEY))))
     valid = keys != NO_KEY
     head = valid.clone()
     head[1:] &= keys[1:] != keys[:-1]                                    # first entry of each distinct key
@@ -130,13 +132,14 @@ def resolve(hot: HotSlots, slot_of_seg: torch.Tensor, step_start: torch.Tensor, 
     miss = rest & ~hit
 
     n = hot.n_slots
-    n_seg = slot_of_seg.numel()
     hit_at = torch.where(hit, found, hot.scratch)
     hot.stamp[hit_at] = stamp
-    if n:   # victims per request: least recently used slots not hit this step
+    miss_idx = miss.nonzero().squeeze(1)            # the plan's one data-dependent size: how many rows to copy
+    if n and miss_idx.numel():   # victims per request: least recently used slots not hit this step
         st = hot.stamp.clone()
         st[hit_at] = NO_KEY
         order = torch.argsort(st[:-1].view(hot.slots, n), dim=1, stable=True)          # [R, n]
+        n_seg = slot_of_seg.numel()
         hits_per_seg = torch.zeros(n_seg, dtype=torch.long, device=sel.device).index_add_(0, e_seg, hit.long())
         misses_per_seg = torch.zeros_like(hits_per_seg).index_add_(0, e_seg, miss.long())
         rank = torch.cumsum(miss.long(), 0) - 1 - (torch.cumsum(misses_per_seg, 0) - misses_per_seg)[e_seg]
@@ -145,23 +148,15 @@ def resolve(hot: HotSlots, slot_of_seg: torch.Tensor, step_start: torch.Tensor, 
         fill_at = torch.where(fill, victim, hot.scratch)
         hot.pos[fill_at] = e_pos
         hot.stamp[fill_at] = stamp
+        found = torch.where(fill, victim, found)
     else:
         fill = torch.zeros_like(miss)
-        victim = torch.zeros_like(e_pos)
-    miss_idx = miss.nonzero().squeeze(1)            # the plan's one data-dependent size: how many rows to copy
-    extra_rank = torch.cumsum(miss.long(), 0) - 1
+    transient = miss & ~fill
 
-    kind = torch.full_like(e_pos, NONE)
-    kind = torch.where(in_step, STEP, kind)
-    kind = torch.where(in_win, WINDOW, kind)
-    kind = torch.where(hit | fill, HOT, kind)
-    kind = torch.where(miss & ~fill, EXTRA, kind)
-    local = torch.zeros_like(e_pos)
-    local = torch.where(in_step, step_row0[e_seg] + e_pos - step_start[e_seg], local)
-    local = torch.where(in_win, window_index(r, e_pos), local)
-    local = torch.where(hit, found, local)
-    local = torch.where(fill, victim, local)
-    local = torch.where(miss & ~fill, extra_rank, local)
-    n_unique = int(head.sum())
-    return Plan(keys, kind, local, e_seg[miss_idx], e_pos[miss_idx],
-                torch.where(fill[miss_idx], victim[miss_idx], -1), n_unique)
+    kind = torch.where(in_step, STEP, torch.where(in_win, WINDOW, torch.where(hit | fill, HOT, NONE)))
+    kind = torch.where(transient, EXTRA, kind)
+    local = torch.where(in_step, step_row0[e_seg] + e_pos - step_start[e_seg],
+                        torch.where(in_win, window_index(r, e_pos), torch.where(hit | fill, found, 0)))
+    miss_dest = torch.where(fill[miss_idx], found[miss_idx], EMPTY)
+    return Plan(keys, kind, local, torch.cumsum(miss.long(), 0) - 1, e_seg[miss_idx], e_pos[miss_idx], miss_dest,
+                int(head.sum()), int(transient.sum()))

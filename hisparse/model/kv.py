@@ -267,7 +267,8 @@ class ResidentKV(LatentKV):
     def gather(self, layer: int, seg: torch.Tensor, sel: torch.Tensor) -> RowSource:
         idx = paged_rows(self.tables.pages, seg[:, None].expand_as(sel), sel.clamp(min=0), self.page_tokens)
         store = self.rows.data[self.source(layer)]
-        return lambda lo, hi: self.decode(store[idx[lo:hi]])
+        return lambda lo, hi: self.decode(torch.index_select(store, 0, idx[lo:hi].flatten()).view(
+            hi - lo, sel.shape[1], self.rows.width))
 
     def latent_bytes(self, req: Hashable | None = None) -> int:
         """Device bytes of latent rows held (by one request, or by all)."""
