@@ -2,8 +2,9 @@
 
 Prefills C requests (small preset, HiSparse on), then attaches py-spy to this process while it runs decode steps,
 and attributes every sample to the innermost hisparse frame's area:
-  working set   hisparse/gpu_working_set/*, hisparse/host_pool/*, hisparse/model/kv.py (but sparse_mla) and
-                hisparse/dcp/kv.py: resolving, copying and addressing rows
+  working set   hisparse/gpu_working_set/*, hisparse/host_pool/* (but the row codec), hisparse/model/kv.py (but
+                sparse_mla) and hisparse/dcp/kv.py: resolving, copying and addressing rows, LRU, page tables
+  row codec     hisparse/host_pool/layout.py: packing rows to fp8_ds_mla / bf16 bytes and unpacking them
   indexer       hisparse/model/indexer.py and its kernels (scoring + exact top-k)
   attention     sparse_mla (the absorbed MQA over the gathered rows)
   model         the rest of hisparse/model (projections, MoE, norms, rope)
@@ -21,6 +22,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -34,7 +36,7 @@ from hisparse.engine.scheduler import SchedulerConfig
 from hisparse.model.config import preset_params
 from hisparse.model.tiny import random_model
 
-AREAS = ("working set", "indexer", "attention", "model", "engine", "other")
+AREAS = ("working set", "row codec", "indexer", "attention", "model", "engine", "other")
 
 
 def area_of(frame: str) -> str | None:
@@ -46,6 +48,8 @@ def area_of(frame: str) -> str | None:
     rel = path[path.index("hisparse/"):]
     if name == "sparse_mla":
         return "attention"
+    if rel == "hisparse/host_pool/layout.py":
+        return "row codec"
     if rel.startswith(("hisparse/gpu_working_set/", "hisparse/host_pool/", "hisparse/dcp/kv.py")):
         return "working set"
     if rel == "hisparse/model/kv.py":
@@ -80,9 +84,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="results/throughput/profile")
     args = ap.parse_args()
-    py_spy = shutil.which("py-spy")
+    py_spy = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
     if py_spy is None:
-        raise SystemExit("profile needs py-spy (pip install py-spy)")
+        raise SystemExit("profile needs py-spy (the bench extra: pip install -e '.[bench]')")
     torch.set_num_threads(args.threads)
     model = random_model(preset_params(args.preset), 0)
     kv = build_kv(model.cfg, "hisparse", host_pool_gib=1.0)

@@ -52,29 +52,16 @@ def index_scores(q: torch.Tensor, wr: torch.Tensor, keys: torch.Tensor, position
 def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Exact stable top-k of each row of scores [T, S] (invisible keys = -inf).
 
-    Returns [T, min(k, S)] selected positions, ascending, -1 padded. Batched torch ops only: a threshold
-    from torch.topk; keys above it are taken, and ties at it in position order (a cumulative count, computed
-    only on the rows that have more ties than room).
+    Returns [T, min(k, S)] selected positions, ascending, -1 padded. A stable descending sort keeps equal scores
+    in position order, so its first k columns are exactly the normative top-k (score desc, position asc); fixed
+    shapes throughout, no host synchronisation.
     """
-    T, S = scores.shape
+    S = scores.shape[1]
     width = min(k, S)
-    mask = scores > float("-inf")
-    if S > k:
-        top = torch.topk(scores, k, dim=1, sorted=False).values
-        thr = top.min(dim=1, keepdim=True).values
-        eq = scores == thr
-        mask &= scores >= thr
-        need = k - torch.count_nonzero(top > thr, dim=1)        # every key above thr is in the top-k
-        crowded = (torch.count_nonzero(eq, dim=1) > need).nonzero().squeeze(1)   # rows with ties to drop
-        if crowded.numel():
-            eq_c = eq[crowded]
-            mask[crowded] &= ~eq_c | (eq_c.cumsum(1) <= need[crowded, None])
-    row, col = mask.nonzero(as_tuple=True)                         # row-major: columns ascending per row
-    counts = torch.bincount(row, minlength=T)
-    rank = torch.arange(row.numel(), device=scores.device) - (counts.cumsum(0) - counts)[row]
-    out = torch.full((T, width), -1, dtype=torch.long, device=scores.device)
-    out[row, rank] = col
-    return out
+    vals, cols = torch.sort(scores, dim=1, descending=True, stable=True)
+    cols = torch.where(vals[:, :width] > float("-inf"), cols[:, :width], S)
+    cols = torch.sort(cols, dim=1).values
+    return cols.masked_fill(cols == S, -1)
 
 
 def paged_topk(indexer: "Indexer", q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, table: torch.Tensor,
