@@ -25,6 +25,7 @@ class PageTable:
         self.n_pages, self.page_tokens, self.growable, self.name = n_pages, page_tokens, growable, name
         self.free_pages = list(range(n_pages - 1, -1, -1))   # stack: pop() gives the lowest id first
         self.tables: dict[Hashable, list[int]] = {}
+        self.page_ids: dict[Hashable, torch.Tensor] = {}   # the same lists as tensors, for per-step tables
         self.high_water = 0   # 1 + the highest page id ever handed out: what a store laid out in pages must hold
 
     @property
@@ -48,10 +49,12 @@ class PageTable:
                                 f"{self.page_tokens} tokens, {len(self.free_pages)} free of {self.n_pages}")
         new = [self.free_pages.pop() for _ in range(need)]
         self.tables.setdefault(req, []).extend(new)
+        self.page_ids[req] = torch.tensor(self.tables[req], dtype=torch.long)
         self.high_water = max(self.high_water, max(new) + 1)
 
     def free(self, req: Hashable) -> None:
         pages = self.tables.pop(req, None)
+        self.page_ids.pop(req, None)
         if pages is not None:
             self.free_pages.extend(reversed(pages))
 
@@ -60,12 +63,9 @@ class PageTable:
 
     def table(self, reqs: Sequence[Hashable], device: torch.device | str = "cpu") -> torch.Tensor:
         """Page ids [len(reqs), max pages] (long; rows padded with page 0, never read past a request's length)."""
-        width = max([1] + [len(self.tables.get(r, ())) for r in reqs])
-        out = torch.zeros(len(reqs), width, dtype=torch.long)
-        for i, r in enumerate(reqs):
-            pages = self.tables.get(r, ())
-            out[i, : len(pages)] = torch.tensor(pages, dtype=torch.long)
-        return out.to(device)
+        empty = torch.zeros(1, dtype=torch.long)
+        rows = [self.page_ids.get(r, empty) for r in reqs] or [empty]
+        return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)[: len(reqs)].to(device)
 
 
 def paged_rows(table: torch.Tensor, seg: torch.Tensor, positions: torch.Tensor, page_tokens: int) -> torch.Tensor:
