@@ -1,12 +1,26 @@
-"""Property tests of the resolver + LRU hot buffer against a plain-Python model of LRU."""
+"""Property tests of the resolver + LRU hot buffer against a plain-Python model of LRU, on both paths (torch
+code and fused CPU kernel), and the two paths against each other."""
 
 from __future__ import annotations
 
+import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hisparse.gpu_working_set.resolver import EXTRA, HOT, NONE, HotSlots, resolve
+from hisparse.gpu_working_set import resolver
+from hisparse.gpu_working_set.kernels import resolve as native
+from hisparse.gpu_working_set.resolver import EXTRA, HOT, NONE, STEP, WINDOW, HotSlots, Plan, resolve
+
+needs_kernel = pytest.mark.skipif(not native.available(), reason="no C++ compiler for the resolver kernel")
+PATHS = [pytest.param(False, id="torch"), pytest.param(True, id="native", marks=needs_kernel)]
+
+
+@pytest.fixture(params=PATHS)
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Run a test on the torch code (False) or the fused kernel (True)."""
+    monkeypatch.setattr(resolver, "NATIVE", request.param)
+    return request.param
 
 selections = st.lists(st.lists(st.integers(0, 63), min_size=0, max_size=12, unique=True), min_size=1, max_size=25)
 
@@ -47,14 +61,16 @@ def resolve_batch(hot: HotSlots, sels: list[list[int]], slots: list[int], t: int
     S = len(sels)
     never = torch.full((S,), 1 << 30, dtype=torch.long)
     zeros = torch.zeros(hot.slots, dtype=torch.long)
-    plan = resolve(hot, torch.tensor(slots), never, torch.zeros(S, dtype=torch.long), zeros, zeros, 0,
-                   lambda r, p: r * 0, seg, sel, t)
+    plan = resolve(hot, torch.tensor(slots), never, torch.zeros(S, dtype=torch.long), zeros, zeros, 0, 0, seg,
+                   sel, t)
     return plan, seg, sel
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150, deadline=None,   # `path` is set once per test, for all its examples
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(selections, min_size=1, max_size=3), st.integers(1, 10), st.integers(1, 3))
-def test_resolver_matches_lru_model(requests: list[list[list[int]]], n_slots: int, rows_per_seg: int) -> None:
+def test_resolver_matches_lru_model(path: bool, requests: list[list[list[int]]], n_slots: int,
+                                    rows_per_seg: int) -> None:
     """Several requests resolved in one batched call per step, each against its own plain-Python LRU model."""
     hot = HotSlots(n_slots, torch.device("cpu"))
     hot.fit(len(requests) + 1)
@@ -85,7 +101,7 @@ def test_resolver_matches_lru_model(requests: list[list[list[int]]], n_slots: in
         assert plan.n_misses == expected_misses                           # one copy per missed (request, position)
 
 
-def test_overflow_misses_are_transient() -> None:
+def test_overflow_misses_are_transient(path: bool) -> None:
     hot = HotSlots(4, torch.device("cpu"))
     hot.fit(1)
     plan, seg, sel = resolve_batch(hot, [list(range(10))], [0], 1)
@@ -94,7 +110,7 @@ def test_overflow_misses_are_transient() -> None:
     assert (kind[0, :4] == HOT).all() and (kind[0, 4:] == EXTRA).all()
 
 
-def test_clear_forgets_rolled_back_positions() -> None:
+def test_clear_forgets_rolled_back_positions(path: bool) -> None:
     hot = HotSlots(8, torch.device("cpu"))
     hot.fit(2)
     resolve_batch(hot, [[1, 5, 9, 12], [1, 5, 9, 12]], [0, 1], 1)
@@ -103,3 +119,103 @@ def test_clear_forgets_rolled_back_positions() -> None:
     kind = plan.kind[plan.locate(seg, sel)]
     assert plan.n_misses == 2                                            # request 1 kept all four
     assert (kind == HOT).all()
+
+
+def resolve_on(native_path: bool, hot: HotSlots, *args) -> Plan:
+    """resolve on the torch code or the fused kernel."""
+    prev, resolver.NATIVE = resolver.NATIVE, native_path
+    try:
+        return resolve(hot, *args)
+    finally:
+        resolver.NATIVE = prev
+
+
+def clone(hot: HotSlots) -> HotSlots:
+    twin = HotSlots(hot.n_slots, hot.device)
+    twin.fit(hot.slots)
+    twin.pos, twin.stamp = hot.pos.clone(), hot.stamp.clone()
+    return twin
+
+
+def random_step(g: torch.Generator, R: int, positions: int) -> tuple:
+    """One step's resolve arguments after hot: 1-4 segments in random request slots and random row order, 1-3
+    rows each (repeated positions across and within rows, -1 padding, rows sometimes ascending as the indexer
+    gives them), steps starting anywhere (some entries STEP), random windows [lo, len)."""
+    def randint(lo: int, hi: int, size: tuple = ()) -> torch.Tensor:
+        return torch.randint(lo, hi, size, generator=g)
+
+    S = int(randint(1, min(R, 4) + 1))
+    slot_of_seg = torch.randperm(R, generator=g)[:S]
+    step_start = randint(0, positions + 8, (S,))
+    step_row0 = randint(0, 100, (S,))
+    win_len = randint(0, positions + 1, (R,))
+    win_lo = torch.minimum(randint(0, positions + 1, (R,)), win_len)
+    rows = randint(1, 4, (S,))
+    seg = torch.repeat_interleave(torch.arange(S), rows)
+    if bool(randint(0, 2)):
+        seg = seg[torch.randperm(seg.numel(), generator=g)]
+    k = int(randint(1, 13))
+    sel = randint(0, positions, (seg.numel(), k))
+    sel[randint(0, 4, sel.shape) == 0] = -1
+    if bool(randint(0, 2)):   # ascending, -1 padded at the end
+        sel = torch.where(sel < 0, 1 << 50, sel).sort(dim=1).values
+        sel[sel == 1 << 50] = -1
+    return slot_of_seg, step_start, step_row0, win_lo, win_len, seg, sel
+
+
+@needs_kernel
+@pytest.mark.parametrize("n_slots", [0, 1, 3, 16])
+def test_kernel_matches_torch(seed: int, n_slots: int) -> None:
+    """Fused kernel and torch code: identical plans and LRU metadata over many consecutive random steps."""
+    g = torch.Generator().manual_seed(seed)
+    for trial in range(20):
+        R, positions = int(torch.randint(1, 7, (), generator=g)), int(torch.randint(4, 80, (), generator=g))
+        window, sinks = (int(x) for x in torch.randint(0, 9, (2,), generator=g))
+        hot = HotSlots(n_slots, torch.device("cpu"))
+        hot.fit(R)
+        stamp = 0
+        for step in range(8):
+            args = random_step(g, R, positions)
+            if step and int(torch.randint(0, 4, (), generator=g)) == 0:   # a released or rolled back request
+                hot.clear(int(torch.randint(0, R, (), generator=g)), int(torch.randint(0, positions, (), generator=g)))
+            stamp += int(torch.randint(0, 3, (), generator=g))            # stamps may repeat
+            twin = clone(hot)
+            ref = resolve_on(False, hot, *args[:5], sinks, window, *args[5:], stamp)
+            got = resolve_on(True, twin, *args[:5], sinks, window, *args[5:], stamp)
+            where = f"seed {seed} trial {trial} step {step}"
+            for name in ("keys", "kind", "local", "extra", "miss_seg", "miss_pos", "miss_dest"):
+                assert torch.equal(getattr(got, name), getattr(ref, name)), f"{name}, {where}"
+            assert (got.n_unique, got.n_transient) == (ref.n_unique, ref.n_transient), where
+            assert torch.equal(twin.pos, hot.pos) and torch.equal(twin.stamp, hot.stamp), where
+
+
+@needs_kernel
+def test_kernel_covers_every_kind(seed: int) -> None:
+    """One step with every kind of entry at once (and a transient overflow), both paths identical."""
+    hot = HotSlots(3, torch.device("cpu"))
+    hot.fit(3)
+    slots, start, row0 = torch.tensor([2, 0]), torch.tensor([40, 30]), torch.tensor([0, 5])
+    win_lo, win_len = torch.tensor([20, 0, 10]), torch.tensor([25, 0, 14])
+    seg = torch.tensor([0, 1, 0])
+    sel = torch.tensor([[1, 12, 41, 30, 31, 32, 33, 34, -1], [2, 22, 35, 5, 6, 7, -1, -1, -1],
+                        [34, 33, 1, 12, 42, 9, 8, 7, -1]])
+    twin = clone(hot)
+    plans = [resolve_on(p, h, slots, start, row0, win_lo, win_len, 2, 4, seg, sel, 1)
+             for p, h in ((False, hot), (True, twin))]
+    kinds = set(plans[0].kind.tolist())
+    assert kinds == {STEP, WINDOW, HOT, EXTRA, NONE}
+    for name in ("keys", "kind", "local", "extra", "miss_seg", "miss_pos", "miss_dest"):
+        assert torch.equal(getattr(plans[1], name), getattr(plans[0], name)), name
+    assert torch.equal(twin.pos, hot.pos) and torch.equal(twin.stamp, hot.stamp)
+
+
+@needs_kernel
+def test_kernel_rejects_segments_sharing_a_request_slot() -> None:
+    hot = HotSlots(4, torch.device("cpu"))
+    hot.fit(2)
+    stamp_before = hot.stamp.clone()
+    with pytest.raises(ValueError, match="share a request slot"):
+        resolve_on(True, hot, torch.tensor([1, 1]), torch.tensor([99, 99]), torch.zeros(2, dtype=torch.long),
+                   torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long), 0, 0, torch.tensor([0, 1]),
+                   torch.tensor([[3, 4], [5, 6]]), 1)
+    assert torch.equal(hot.stamp, stamp_before)

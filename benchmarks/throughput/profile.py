@@ -9,9 +9,10 @@ and attributes every sample to the innermost hisparse frame's area:
   attention     sparse_mla (the absorbed MQA over the gathered rows)
   model         the rest of hisparse/model (projections, MoE, norms, rope)
   engine        scheduler, sampling, request bookkeeping (hisparse/engine, outside the forward)
-Writes JSON (shares, sample counts) next to the raw py-spy profile.
+Writes JSON (shares, sample counts) next to the raw py-spy profile; with --compare (another run's JSON, e.g. of an
+older checkout) also a PNG of both steps' time by area.
 
-    python -m benchmarks.throughput.profile [--concurrency 16] [--prompt-len 1024] [--seconds 20]
+    python -m benchmarks.throughput.profile [--concurrency 16] [--prompt-len 1024] [--seconds 20] [--compare J]
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ def main() -> None:
     ap.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="results/throughput/profile")
+    ap.add_argument("--compare", default=None, help="profile.json of another run, plotted as 'before'")
     args = ap.parse_args()
     py_spy = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
     if py_spy is None:
@@ -118,6 +120,32 @@ def main() -> None:
               "step_ms": step_ms, "threads": args.threads, **summarize(raw)}
     (out / "profile.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
+    if args.compare:
+        plot([("before", json.loads(Path(args.compare).read_text())), ("after", result)], out / "profile.png")
+
+
+def plot(runs: list[tuple[str, dict]], path: Path) -> None:
+    """Stacked bars: each run's decode step time split by area."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib missing (the bench extra): no PNG written")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    labels = [f"{name}\n{r['step_ms']:.0f} ms/step" for name, r in runs]
+    bottom = [0.0] * len(runs)
+    for area in AREAS:
+        ms = [r["step_ms"] * r["share"].get(area, 0.0) for _, r in runs]
+        ax.bar(labels, ms, bottom=bottom, label=area)
+        bottom = [b + m for b, m in zip(bottom, ms)]
+    ax.set_ylabel("ms per decode step")
+    r = runs[-1][1]
+    ax.set_title(f"{r['concurrency']} requests, {r['prompt_len']}-token prompts, {r['preset']} preset (py-spy)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

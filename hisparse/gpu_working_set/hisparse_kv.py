@@ -152,7 +152,7 @@ class HiSparseKV(LatentKV):
         misses from the host pool now (side stream on CUDA), so the followers' copies overlap the owner's
         attention."""
         plan = resolve(self.hot[group], self.step_slot, self.tables.start, self.step_row0, self.win_lo,
-                       self.win_len, self.sinks, self.arena.window_index, seg, sel, self.step)
+                       self.win_len, self.sinks, self.window, seg, sel, self.step)
         a = self.arena
         host_rows = paged_rows(self.tables.pages, plan.miss_seg, plan.miss_pos, self.page_tokens).cpu()
         for member in self.members[group]:

@@ -9,18 +9,26 @@ every member layer, each copying only its own bytes. A selected position is, in 
   EXTRA   a miss beyond the free slots: copied for this step only (transient)
 LRU: a hit refreshes its slot's stamp; misses take the least recently used slots not hit this step (empty slots
 first, stable on ties), in position order.
+
+On the CPU a fused kernel (kernels/resolve.cpp) computes the same plan and LRU updates in one native pass; the
+torch code (`resolve_torch`) is the reference and the path on other devices.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
+
+from .arena import DeviceArena
+from .kernels import resolve as native
 
 EMPTY = -1
 STEP, WINDOW, HOT, EXTRA, NONE = range(5)
 KEY_SPAN = 1 << 40            # entry key = segment * KEY_SPAN + position (positions < 2^40)
 NO_KEY = torch.iinfo(torch.long).max
+NATIVE = True   # resolve CPU tensors with the fused kernel when it builds (False: always the torch code)
 
 
 class HotSlots:
@@ -108,14 +116,31 @@ class Plan:
 
 
 def resolve(hot: HotSlots, slot_of_seg: torch.Tensor, step_start: torch.Tensor, step_row0: torch.Tensor,
-            win_lo: torch.Tensor, win_len: torch.Tensor, sinks: int, window_index, seg: torch.Tensor,
+            win_lo: torch.Tensor, win_len: torch.Tensor, sinks: int, window: int, seg: torch.Tensor,
             sel: torch.Tensor, stamp: int) -> Plan:
     """Resolve the selections sel [n, k] of query rows of segments seg [n] (all requests of the step at once)
     against the requests' step rows, windows and hot buffers; updates `hot` (LRU) for the filled misses.
 
-    slot_of_seg/step_start/step_row0 [S]: per segment its request slot, its first position written this step and
-    that position's row in the step region; win_lo/win_len [R]: per request slot the resident window [lo, len);
-    window_index(slot, positions): row in the window regions."""
+    slot_of_seg/step_start/step_row0 [S]: per segment its request slot (distinct), its first position written
+    this step and that position's row in the step region; win_lo/win_len [R]: per request slot the resident
+    window [lo, len); sinks, window: the window regions' layout (`DeviceArena.window_index`).
+
+    CPU int64 inputs take the fused kernel when it builds and NATIVE is set, others `resolve_torch`."""
+    tensors = (slot_of_seg, step_start, step_row0, win_lo, win_len, seg, sel, hot.pos, hot.stamp)
+    if (NATIVE and all(t.is_cpu and t.dtype == torch.long for t in tensors) and sel.dim() == 2
+            and seg.shape == sel.shape[:1] and all(t.dim() == 1 for t in tensors[:5])
+            and hot.pos.is_contiguous() and hot.stamp.is_contiguous() and native.available()):
+        out, n_unique, n_transient, m = native.fused_resolve(
+            hot.pos, hot.stamp, hot.slots, hot.n_slots, slot_of_seg, step_start, step_row0, win_lo, win_len,
+            int(sinks), int(window), seg, sel, int(stamp))
+        return Plan(out[0], out[1], out[2], out[3], out[4, :m], out[5, :m], out[6, :m], n_unique, n_transient)
+    return resolve_torch(hot, slot_of_seg, step_start, step_row0, win_lo, win_len, sinks, window, seg, sel, stamp)
+
+
+def resolve_torch(hot: HotSlots, slot_of_seg: torch.Tensor, step_start: torch.Tensor, step_row0: torch.Tensor,
+                  win_lo: torch.Tensor, win_len: torch.Tensor, sinks: int, window: int, seg: torch.Tensor,
+                  sel: torch.Tensor, stamp: int) -> Plan:
+    """`resolve` in vectorised torch ops on any device: the reference the fused kernel reproduces."""
     keys = torch.where(sel >= 0, seg[:, None] * KEY_SPAN + sel, NO_KEY).flatten()
     keys, _ = torch.sort(torch.cat((keys, keys.new_full((1,), NO_KEY))))
     valid = keys != NO_KEY
@@ -155,8 +180,15 @@ def resolve(hot: HotSlots, slot_of_seg: torch.Tensor, step_start: torch.Tensor, 
 
     kind = torch.where(in_step, STEP, torch.where(in_win, WINDOW, torch.where(hit | fill, HOT, NONE)))
     kind = torch.where(transient, EXTRA, kind)
+    win_row = _window_index(r, e_pos, window, sinks)
     local = torch.where(in_step, step_row0[e_seg] + e_pos - step_start[e_seg],
-                        torch.where(in_win, window_index(r, e_pos), torch.where(hit | fill, found, 0)))
+                        torch.where(in_win, win_row, torch.where(hit | fill, found, 0)))
     miss_dest = torch.where(fill[miss_idx], found[miss_idx], EMPTY)
     return Plan(keys, kind, local, torch.cumsum(miss.long(), 0) - 1, e_seg[miss_idx], e_pos[miss_idx], miss_dest,
                 int(head.sum()), int(transient.sum()))
+
+
+def _window_index(slot: torch.Tensor, positions: torch.Tensor, window: int, sinks: int) -> torch.Tensor:
+    """DeviceArena.window_index (the window layout's one definition) for a (window, sinks) layout."""
+    layout = SimpleNamespace(window=window, sinks=sinks, win_rows=window + sinks)
+    return DeviceArena.window_index(layout, slot, positions)

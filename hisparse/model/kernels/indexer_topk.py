@@ -10,50 +10,21 @@ use the torch path, which gives bit-identical selections.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import operator
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import warnings
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
 import torch
 
+from .build import cpu_id, load   # cpu_id: also imported from here (hisparse.train.trainer)
+
 SOURCE = Path(__file__).with_name("indexer_topk.cpp")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC"]
-OPENMP = ["-fopenmp"]   # libgomp.so.1: the runtime torch itself loads, so threads are shared, not doubled
+# built without it where it does not build (one thread); libgomp.so.1 is the runtime torch itself loads, so
+# threads are shared, not doubled
+OPENMP = ["-fopenmp"]
 FUNCTIONS = {torch.float32: "indexer_topk_f32", torch.float64: "indexer_topk_f64"}
-
-
-def cpu_id() -> str:
-    """What -march=native (and torch's and MKL's kernel dispatch) depends on: the CPU's model and feature flags."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-        return "".join(l for l in info.splitlines(keepends=True) if l.startswith(("model name", "flags")))[:4096]
-    except OSError:
-        return platform.processor() + platform.machine()
-
-
-def _build(cxx: str, out: Path, defines: list[str]) -> None:
-    """Compile SOURCE to `out` (atomically: concurrent first uses each write a temp file and rename it)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        for extra in (OPENMP, []):   # without OpenMP the kernel still runs, on one thread
-            proc = subprocess.run([cxx, *FLAGS, *defines, *extra, str(SOURCE), "-o", tmp], capture_output=True, text=True)
-            if proc.returncode == 0:
-                os.replace(tmp, out)
-                return
-        raise RuntimeError(f"{cxx} failed to build {SOURCE.name}:\n{proc.stderr[-2000:]}")
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 @dataclass(frozen=True)
@@ -75,22 +46,9 @@ class Build:
 @cache
 def library(build: Build = Build()) -> ctypes.CDLL | None:
     """The loaded kernel library, built on first call; None (with one warning) when it cannot be built."""
-    defines = build.defines()
-    cxx = shutil.which(os.environ.get("CXX", "g++"))
-    if cxx is None:
-        warnings.warn("no C++ compiler (set CXX): the indexer uses the slower torch top-k path")
-        return None
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, *defines, *OPENMP, version, cpu_id()]).encode()
-                         ).hexdigest()
-    root = Path(os.environ.get("HISPARSE_CACHE", Path.home() / ".cache" / "hisparse")) / "kernels"
-    path = root / f"indexer_topk-{key[:16]}.so"
-    try:
-        if not path.exists():
-            _build(cxx, path, defines)
-        lib = ctypes.CDLL(str(path))
-    except (OSError, RuntimeError) as e:
-        warnings.warn(f"indexer kernel unavailable ({e}); using the slower torch top-k path")
+    lib = load(SOURCE, [*FLAGS, *build.defines()], OPENMP, "indexer kernel",
+               "the indexer uses the slower torch top-k path")
+    if lib is None:
         return None
     for name in FUNCTIONS.values():
         fn = getattr(lib, name)
