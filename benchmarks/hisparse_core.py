@@ -5,7 +5,7 @@
 3. device bytes of one request vs context length (latent part must stay flat)
 4. host bytes per token / the layout bound (row size x KV-owning layers)
 
-    python -m benchmarks.hisparse_core [--context 32768] [--out results/hisparse_core.json]
+    python -m benchmarks.hisparse_core [--context 32768] [--out benchmarks/results/hisparse_core.json]
 """
 
 from __future__ import annotations
@@ -13,19 +13,19 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from hisparse.engine.generate import prefill
+from hisparse.engine.kv_settings import KVSettings
 from hisparse.gpu_working_set.copier import Copier
-from hisparse.gpu_working_set.hisparse_kv import HiSparseKV
-from hisparse.host_pool.layout import Geometry, RowLayout
 from hisparse.host_pool.pool import HostPool
 from hisparse.model.batch import Segment
 from hisparse.model.config import preset, preset_params
-from hisparse.model.kv import ResidentKV
+from hisparse.model.geometry import geometry, row_layout
 from hisparse.model.tiny import random_model
 
 
@@ -44,7 +44,7 @@ def gather_vs_memcpy(n_rows: int = 4096, pool_rows: int = 1 << 20) -> dict:
     The memcpy reads from the same pool at a new offset each time (like the gather, its source is not in
     cache); the copy from a small, cache-hot source is reported too."""
     cfg = preset("full")
-    row = RowLayout.for_config(cfg, "fp8_ds_mla").row_bytes
+    row = row_layout(cfg, "fp8_ds_mla").row_bytes
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     host = torch.randint(0, 255, (pool_rows, row), dtype=torch.uint8)
     rows = torch.randperm(pool_rows)[:n_rows]
@@ -79,8 +79,8 @@ def decode_step_ratio(context: int, steps: int = 16, chunk: int = 2048) -> dict:
     model = random_model(params, seed=0)
     cfg = model.cfg
     prompt = torch.randint(0, cfg.vocab_size, (context,)).tolist()
-    kvs = {"resident": ResidentKV(cfg, "fp8_ds_mla"),
-           "hisparse": HiSparseKV(cfg, "fp8_ds_mla", host_pool_gib=2.0)}
+    settings = KVSettings(host_pool_gib=2.0)                  # one page size for both stores
+    kvs = {"resident": replace(settings, offload="none").build(cfg), "hisparse": settings.build(cfg)}
     for name, kv in kvs.items():
         for s in tqdm(range(0, context, chunk), desc=f"prefill {name} {context}", unit="chunk"):
             n = min(chunk, context - s)
@@ -104,7 +104,7 @@ def device_bytes_vs_context(lengths: list[int]) -> list[dict]:
     cfg = preset("tiny")
     out = []
     for n in tqdm(lengths, desc="device bytes vs context"):
-        kv = HiSparseKV(cfg, "fp8_ds_mla", host_pool_gib=n * 520 / 2**30 + 0.01, page_tokens=256)
+        kv = KVSettings(host_pool_gib=n * 520 / 2**30 + 0.01, page_tokens=256).build(cfg)
         chunk = 1 << 16
         for s in range(0, n, chunk):
             m = min(chunk, n - s)
@@ -130,11 +130,11 @@ def device_bytes_vs_context(lengths: list[int]) -> list[dict]:
 
 def host_bytes_per_token(context: int = 100_000) -> dict:
     cfg = preset("full")
-    layout = RowLayout.for_config(cfg, "fp8_ds_mla")
-    pool = HostPool(cfg, layout, host_pool_gib=context * 41_328 * 1.01 / 2**30, page_tokens=64, pin=False)
+    layout = row_layout(cfg, "fp8_ds_mla")
+    pool = HostPool(layout, cfg.kv_source_layers, host_pool_gib=context * 41_328 * 1.01 / 2**30, page_tokens=64, pin=False)
     pool.ensure("r", context)
     used = pool.pages_used * pool.page_bytes + pool.metadata_bytes()
-    bound = Geometry.of(cfg).latent_bytes_per_token
+    bound = geometry(cfg).latent_bytes_per_token
     return {"context": context, "bytes_per_token": used / context, "bound": bound, "ratio": used / context / bound,
             "goal": "<= 1.005"}
 
@@ -143,7 +143,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--lengths", default="8192,65536,262144,1048576")
-    ap.add_argument("--out", default="results/hisparse_core.json")
+    ap.add_argument("--out", default="benchmarks/results/hisparse_core.json")
     args = ap.parse_args()
     res = {"gather_vs_memcpy": gather_vs_memcpy(), "host_bytes_per_token": host_bytes_per_token(),
            "device_bytes_vs_context": device_bytes_vs_context([int(x) for x in args.lengths.split(",")]),

@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .engine.kv_settings import KVSettings, KVSettingsError
+
 
 def _ids(text: str, vocab_size: int) -> list[int]:
     """--prompt-ids: comma-separated token ids, at least one, each in [0, vocab_size)."""
@@ -32,29 +34,21 @@ def _model_dir(arg: str | None) -> Path:
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
-def add_kv_args(p: argparse.ArgumentParser) -> None:
-    """Where the model and its latent KV live, and in what precision; shared by generate and serve."""
-    p.add_argument("--kv-offload", choices=("hisparse", "none"), default="hisparse",
-                   help="hisparse: latent rows in the host pool, hot working set on the device; none: all resident")
-    p.add_argument("--kv-layout", choices=("fp8_ds_mla", "bf16"), default="fp8_ds_mla")
-    p.add_argument("--host-pool-gib", type=float, default=4.0)
-    p.add_argument("--hot-buffer-tokens", type=int, default=None, help="hot slots per request (default 2 x topk)")
-    p.add_argument("--resident-window", type=int, default=None, help="newest tokens kept on the device")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+def add_runtime_args(p: argparse.ArgumentParser) -> None:
+    """Where the model and its latent KV compute, and in what precision; shared by generate and serve."""
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="compute device of the model and the device rows (default: %(default)s)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
-                   help="compute dtype of the model and the device rows (float64: a slow exactness reference)")
+                   help="compute dtype of the model and the device rows (float64: a slow exactness reference) "
+                        "(default: %(default)s)")
 
 
-def kv_kwargs(args: argparse.Namespace) -> dict:
-    """build_kv's keyword arguments from the KV flags."""
-    return dict(offload=args.kv_offload, layout=args.kv_layout, device=args.device, host_pool_gib=args.host_pool_gib,
-                hot_buffer_tokens=args.hot_buffer_tokens, resident_window=args.resident_window,
-                dtype=DTYPES[args.dtype])
-
-
-def make_kv(args: argparse.Namespace, cfg):
-    from .engine.kv_factory import build_kv
-    return build_kv(cfg, **kv_kwargs(args))
+def kv_settings(args: argparse.Namespace) -> KVSettings:
+    """The KV flags' settings; a bad value ends the command with a message naming its flag."""
+    try:
+        return KVSettings.from_args(args)
+    except KVSettingsError as e:
+        raise SystemExit(str(e)) from None
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> None:
@@ -66,6 +60,7 @@ def cmd_make_tiny(args: argparse.Namespace) -> None:
 def cmd_generate(args: argparse.Namespace) -> None:
     from .engine.generate import greedy_generate
     from .model.weights import load_model
+    settings = kv_settings(args)
     model_dir = _model_dir(args.model)
     model = load_model(model_dir, device=args.device, dtype=DTYPES[args.dtype])
     tok = None
@@ -77,7 +72,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         prompt = tok.encode(args.prompt, bos=True, eos=False)
     if not prompt:
         raise SystemExit("prompt: empty")
-    kv = make_kv(args, model.cfg)
+    kv = settings.build(model.cfg, args.device, DTYPES[args.dtype])
     gen = greedy_generate(model, kv, prompt, args.max_tokens, chunk=args.chunk)
     if tok is None and (model_dir / "tekken.json").exists():
         from .model.tokenizer import load_tokenizer
@@ -103,12 +98,9 @@ def cmd_logits(args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    from functools import partial
-
-    from .engine.kv_factory import build_kv
     from .server.serve import serve
-    kv_factory = partial(build_kv, **kv_kwargs(args))    # picklable: DCP ranks build theirs
-    serve(args, _model_dir(args.model), DTYPES[args.dtype], kv_factory)
+    settings = kv_settings(args)
+    serve(args, _model_dir(args.model), DTYPES[args.dtype], settings)
 
 
 def cmd_train_needle(args: argparse.Namespace) -> None:
@@ -135,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-ids")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--chunk", type=int, default=256, help="prefill chunk size")
-    add_kv_args(p)
+    KVSettings.add_args(p)
+    add_runtime_args(p)
     p.set_defaults(fn=cmd_generate)
 
     p = sub.add_parser("logits", help="full-forward fp32 logits [T, V] of a prompt to a .npy file")
@@ -167,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dcp-interleave", type=int, default=1, help="DCP: consecutive tokens per rank (I)")
     p.add_argument("--dcp-timeout", type=float, default=DEFAULT_TIMEOUT_S,
                    help="DCP: seconds a collective may wait for a peer rank before the server fails")
-    add_kv_args(p)
+    KVSettings.add_args(p)
+    add_runtime_args(p)
     p.set_defaults(fn=cmd_serve)
 
     p = sub.add_parser("train-needle", help="train the tiny passkey-retrieval ML4 on the CPU and evaluate it")

@@ -13,7 +13,7 @@ import torch
 
 from hisparse.cli import main
 from hisparse.engine.generate import greedy_generate
-from hisparse.engine.kv_factory import build_kv
+from hisparse.engine.kv_settings import KVSettings
 from hisparse.model.batch import Segment
 from hisparse.model.kv import ResidentKV
 from hisparse.model.tokenizer import load_tokenizer
@@ -60,7 +60,7 @@ def test_generate_prints_ids(served: Path, model) -> None:
     assert len(ids) == 8 and all(0 <= i < 131072 for i in ids)
     tok = load_tokenizer(served).instruct_tokenizer.tokenizer
     prompt = tok.encode("hello", bos=True, eos=False)
-    want = greedy_generate(model, build_kv(model.cfg, offload="none"), prompt, 8).tokens
+    want = greedy_generate(model, KVSettings(offload="none").build(model.cfg), prompt, 8).tokens
     assert ids == want
 
 

@@ -36,7 +36,7 @@ from hisparse.dcp.launch import launch as launch_ranks
 from hisparse.dcp.leader import DCPEngine
 from hisparse.dcp.serve import run_follower
 from hisparse.engine.generate import greedy_generate
-from hisparse.engine.kv_factory import build_kv
+from hisparse.engine.kv_settings import KVSettings
 from hisparse.engine.request import SamplingParams
 from hisparse.engine.scheduler import SchedulerConfig
 from hisparse.engine.speculative import SpeculativeConfig
@@ -71,9 +71,9 @@ def reference(seed: int) -> tuple[list[list[int]], list[str]]:
     model = load_model(builtin_tiny(), dtype=torch.float64)
     text = load_tokenizer(builtin_tiny()).instruct_tokenizer.tokenizer
     ps = prompts(seed)
-    texts = [text.decode(greedy_generate(model, build_kv(model.cfg, host_pool_gib=POOL_GIB, hot_buffer_tokens=HOT,
-                                                         resident_window=WINDOW, dtype=torch.float64),
-                                         p, TOKENS).tokens) for p in ps]
+    settings = KVSettings(host_pool_gib=POOL_GIB, hot_buffer_tokens=HOT, resident_window=WINDOW)
+    texts = [text.decode(greedy_generate(model, settings.build(model.cfg, dtype=torch.float64), p, TOKENS).tokens)
+             for p in ps]
     return ps, texts
 
 
@@ -246,7 +246,7 @@ def window_rank(group: DCPGroup, seed: int) -> dict:
     """Every rank: the engine path with DSpark (rank 0 schedules, drafts and samples; rank 1 replays); after 12
     steps, with requests still in flight, the ranks' draft windows and rank 0's acceptance counts."""
     model = load_model(builtin_tiny())
-    kv = build_kv(model.cfg, host_pool_gib=POOL_GIB, hot_buffer_tokens=HOT, resident_window=WINDOW)
+    kv = KVSettings(host_pool_gib=POOL_GIB, hot_buffer_tokens=HOT, resident_window=WINDOW).build(model.cfg)
     spec = SpeculativeConfig(num_speculative_tokens=2)
     if group.rank > 0:
         cache = run_follower(group, model, kv, 1, spec).speculator.proposer.cache

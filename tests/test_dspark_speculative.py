@@ -9,7 +9,7 @@ import torch
 
 from conftest import random_tokens, tiny_model
 from hisparse.engine.generate import greedy_generate
-from hisparse.engine.kv_factory import build_kv
+from hisparse.engine.kv_settings import KVSettings
 from hisparse.engine.request import SamplingParams
 from hisparse.engine.speculative import (OracleProposer, SpecState, SpeculativeConfig, SpeculativeDecoder,
                                          accept_rejection, speculative_generate)
@@ -106,8 +106,8 @@ def test_greedy_equals_plain_greedy_with_hisparse(seed: int) -> None:
     prompt = random_tokens(96, model.cfg.vocab_size, seed).tolist()
 
     def kv(offload: str):
-        return build_kv(model.cfg, offload, layout="fp8_ds_mla", host_pool_gib=0.01, hot_buffer_tokens=16,
-                        resident_window=8, dtype=model.dtype)
+        return KVSettings(offload, "fp8_ds_mla", host_pool_gib=0.01, hot_buffer_tokens=16,
+                          resident_window=8).build(model.cfg, dtype=model.dtype)
     ref = greedy_generate(model, kv("none"), prompt, NEW).tokens
     hs = kv("hisparse")
     out, stats = speculative_generate(model, hs, NoisyOracle(model, prompt + ref, 0.7, seed), prompt, NEW,
@@ -128,8 +128,8 @@ def test_rollback_leaves_no_stale_row_readable(offload: str, seed: int) -> None:
     P = len(prompt)
 
     def kv():
-        return build_kv(cfg, offload, layout="fp8_ds_mla", host_pool_gib=0.01, hot_buffer_tokens=16,
-                        resident_window=2, dtype=model.dtype)
+        return KVSettings(offload, "fp8_ds_mla", host_pool_gib=0.01, hot_buffer_tokens=16,
+                          resident_window=2).build(cfg, dtype=model.dtype)
 
     def run(kv_, first: list[int]) -> list[torch.Tensor]:
         out = [model(torch.tensor(first), [Segment(0, P + 1, len(first))], kv_)]

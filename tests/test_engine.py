@@ -14,7 +14,7 @@ from conftest import tiny_model
 from hisparse.engine.detokenizer import TextStream
 from hisparse.engine.engine import Engine
 from hisparse.engine.generate import greedy_generate
-from hisparse.engine.kv_factory import build_kv
+from hisparse.engine.kv_settings import KVSettings
 from hisparse.engine.request import Request, RequestError, SamplingParams
 from hisparse.engine.sampling import SamplingBatch, sample
 from hisparse.engine.scheduler import SchedulerConfig
@@ -27,7 +27,7 @@ GIB = 1 << 30
 
 def pool_gib(kv_cfg, pages: int, page_tokens: int = 64) -> float:
     """host_pool_gib that holds exactly `pages` pages of the tiny fp8 layout."""
-    probe = build_kv(kv_cfg, "hisparse", host_pool_gib=0.001, dtype=torch.float64)
+    probe = KVSettings(host_pool_gib=0.001).build(kv_cfg, dtype=torch.float64)
     return pages * probe.pool.page_bytes / GIB
 
 
@@ -60,8 +60,8 @@ def test_continuous_batching_equals_one_at_a_time(seed: int) -> None:
     smaller than the prompts): every request's greedy tokens equal a lone greedy run on all-resident KV."""
     model = tiny_model(seed)
     prompts = random_prompts(5, 5, 100, model.cfg.vocab_size, seed)
-    kv = build_kv(model.cfg, "hisparse", host_pool_gib=pool_gib(model.cfg, 4), hot_buffer_tokens=16,
-                  resident_window=8, dtype=torch.float64)
+    kv = KVSettings(host_pool_gib=pool_gib(model.cfg, 4), hot_buffer_tokens=16,
+                    resident_window=8).build(model.cfg, dtype=torch.float64)
     engine = Engine(model, kv, SchedulerConfig(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=40))
     params = SamplingParams(max_tokens=10, temperature=0.0)
     reqs = [engine.add_request(p, params) for p in prompts]
@@ -81,7 +81,7 @@ def test_continuous_batching_equals_one_at_a_time(seed: int) -> None:
 
 def test_rejects_what_can_never_fit(seed: int) -> None:
     model = tiny_model(seed)
-    kv = build_kv(model.cfg, "hisparse", host_pool_gib=pool_gib(model.cfg, 2), dtype=torch.float64)
+    kv = KVSettings(host_pool_gib=pool_gib(model.cfg, 2)).build(model.cfg, dtype=torch.float64)
     engine = Engine(model, kv, SchedulerConfig(max_model_len=1000))
     with pytest.raises(RequestError, match=r"maximum context length is 1000 tokens.*1010 tokens") as e:
         engine.add_request([1] * 10, SamplingParams(max_tokens=1000))

@@ -2,31 +2,35 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
 
-from hisparse.host_pool.layout import Geometry, RowLayout, index_row_bytes
+from hisparse.host_pool.layout import index_row_bytes
 from hisparse.model.config import preset
+from hisparse.model.geometry import geometry, row_layout
 
 FLT_MIN = np.finfo(np.float32).tiny
 
 
 def test_full_size_row_bytes() -> None:
     cfg = preset("full")
-    assert RowLayout.for_config(cfg, "fp8_ds_mla").row_bytes == 656      # 512 fp8 + 4 x fp32 + 64 bf16
-    assert RowLayout.for_config(cfg, "bf16").row_bytes == 1152
-    assert index_row_bytes(cfg) == 132
+    assert row_layout(cfg, "fp8_ds_mla").row_bytes == 656      # 512 fp8 + 4 x fp32 + 64 bf16
+    assert row_layout(cfg, "bf16").row_bytes == 1152
+    assert index_row_bytes(cfg.index_head_dim) == 132
 
 
 def test_full_size_per_token_bytes() -> None:
     cfg = preset("full")
-    g = Geometry.of(cfg, "fp8_ds_mla")
+    g = geometry(cfg, "fp8_ds_mla")
     assert (g.kv_owner_layers, g.index_owner_layers, g.n_layers) == (63, 44, 72)
     assert g.latent_bytes_per_token == 41_328
     assert g.index_bytes_per_token == 5_808
     assert g.total_bytes_per_token == 47_136
-    assert Geometry.of(cfg, "bf16").total_bytes_per_token == 78_384
+    assert geometry(cfg, "bf16").total_bytes_per_token == 78_384
     assert g.sharing_gain == pytest.approx(72 / 63 - 1) and round(g.sharing_gain, 4) == 0.1429
     # HiSparse host-pool bound of §4: 440 GiB / 41,328 B = 11.43 M tokens
     assert 440 * 2**30 // g.latent_bytes_per_token == pytest.approx(11.43e6, rel=1e-3)
@@ -34,11 +38,11 @@ def test_full_size_per_token_bytes() -> None:
 
 def test_tiny_geometry() -> None:
     cfg = preset("tiny")
-    fp8 = RowLayout.for_config(cfg, "fp8_ds_mla")
+    fp8 = row_layout(cfg, "fp8_ds_mla")
     assert (fp8.tile, fp8.row_bytes) == (16, 32 + 2 * 4 + 8 * 2)         # r/16 = 2 scales per row
-    assert Geometry.of(cfg).latent_bytes_per_token == 7 * 56
+    assert geometry(cfg).latent_bytes_per_token == 7 * 56
     with pytest.raises(ValueError, match="kv_layout"):
-        RowLayout.for_config(cfg, "fp16")
+        row_layout(cfg, "fp16")
 
 
 def parse_fp8_row(row: np.ndarray, r: int, tile: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -51,7 +55,7 @@ def parse_fp8_row(row: np.ndarray, r: int, tile: int) -> tuple[np.ndarray, np.nd
 def test_fp8_pack_layout_and_scales(name: str, seed: int) -> None:
     """Bytes [0, r): fp8 c / s; [r, r + 4 r/tile): fp32 tile scales max(amax/448, FLT_MIN); then k_rope bf16."""
     cfg = preset(name)
-    lay = RowLayout.for_config(cfg, "fp8_ds_mla")
+    lay = row_layout(cfg, "fp8_ds_mla")
     r, dR, tile = cfg.kv_lora_rank, cfg.qk_rope_head_dim, lay.tile
     g = torch.Generator().manual_seed(seed)
     rows = torch.randn(5, r + dR, generator=g) * torch.rand(5, 1, generator=g) * 10
@@ -72,7 +76,7 @@ def test_fp8_pack_layout_and_scales(name: str, seed: int) -> None:
 @pytest.mark.parametrize("name", ["tiny", "full"])
 def test_fp8_round_trip_within_fp8_error(name: str, seed: int) -> None:
     cfg = preset(name)
-    lay = RowLayout.for_config(cfg, "fp8_ds_mla")
+    lay = row_layout(cfg, "fp8_ds_mla")
     r, tile = cfg.kv_lora_rank, lay.tile
     g = torch.Generator().manual_seed(seed)
     rows = torch.randn(64, r + cfg.qk_rope_head_dim, generator=g) * 3
@@ -91,7 +95,7 @@ def test_fp8_round_trip_within_fp8_error(name: str, seed: int) -> None:
 def test_fp8_round_trip_exact_for_representable_values(seed: int) -> None:
     """c = (fp8 value) x 2^e with a +-448 in every tile, k_rope bf16: pack/unpack returns it bit for bit."""
     cfg = preset("full")
-    lay = RowLayout.for_config(cfg, "fp8_ds_mla")
+    lay = row_layout(cfg, "fp8_ds_mla")
     r, dR, tile = 512, 64, 128
     g = torch.Generator().manual_seed(seed)
     grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
@@ -105,10 +109,18 @@ def test_fp8_round_trip_exact_for_representable_values(seed: int) -> None:
 
 def test_bf16_layout_round_trip(seed: int) -> None:
     cfg = preset("tiny")
-    lay = RowLayout.for_config(cfg, "bf16")
+    lay = row_layout(cfg, "bf16")
     rows = torch.randn(7, 40, generator=torch.Generator().manual_seed(seed))
     data = lay.pack(rows)
     assert data.shape == (7, 80)
     exact = rows.bfloat16()
     assert torch.equal(lay.unpack(data, torch.bfloat16), exact)
     assert data[3].numpy().tobytes() == exact[3].view(torch.int16).numpy().tobytes()
+
+
+def test_host_pool_does_not_import_the_model() -> None:
+    """The host pool is bytes and pages: it takes its geometry as numbers, so importing it loads no model code."""
+    code = "import sys, hisparse.host_pool.pool, hisparse.host_pool.layout; " \
+           "print(sorted(m for m in sys.modules if m.startswith('hisparse.model')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -9,10 +9,10 @@ import torch
 
 from hisparse.engine.generate import greedy_generate
 from hisparse.gpu_working_set.hisparse_kv import HiSparseKV
-from hisparse.host_pool.layout import Geometry, RowLayout
 from hisparse.host_pool.pool import HostPool, PoolExhausted
 from hisparse.model.batch import Segment
 from hisparse.model.config import preset, preset_params
+from hisparse.model.geometry import geometry, row_layout
 from hisparse.model.kv import ResidentKV
 from hisparse.model.tiny import random_model
 
@@ -41,7 +41,7 @@ def test_on_equals_off_bit_identical(model, layout):
     assert all(torch.equal(a, b) for a, b in zip(on.logits, off.logits))
     s = kv.stats
     assert s.misses > 1000 and s.hits > 0 and s.overlapped_copies > 0     # the host pool really served rows
-    assert s.host_to_device_bytes == s.misses * RowLayout.for_config(model.cfg, layout).row_bytes
+    assert s.host_to_device_bytes == s.misses * row_layout(model.cfg, layout).row_bytes
     assert kv.pool.pages_used == 0 and not kv.slot_of and all((h.pos[:-1] < 0).all() for h in kv.hot.values())
 
 
@@ -130,10 +130,10 @@ def test_reservation_admission(model):
 
 def test_full_geometry_and_consumer_binding():
     cfg = preset("full")
-    g = Geometry.of(cfg)
+    g = geometry(cfg)
     assert (g.row_bytes, g.latent_bytes_per_token, g.total_bytes_per_token) == (656, 41_328, 47_136)
     assert abs(g.sharing_gain - (72 / 63 - 1)) < 1e-12
-    pool = HostPool(cfg, RowLayout.for_config(cfg, "fp8_ds_mla"), host_pool_gib=0.1, page_tokens=64, pin=False)
+    pool = HostPool(row_layout(cfg, "fp8_ds_mla"), cfg.kv_source_layers, host_pool_gib=0.1, page_tokens=64, pin=False)
     assert pool.page_bytes / pool.page_tokens == 41_328                     # row size x KV-owning layers
     assert pool.buffer.shape[0] == 63                                       # consumers cost zero bytes
     pool.ensure("r", pool.token_capacity)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import full_forward, random_tokens, selection_sets, tiny_model
-from hisparse.engine.kv_factory import build_kv
+from hisparse.engine.kv_settings import KVSettings
 from hisparse.model.config import ModelConfig
 from hisparse.model.tokenizer import load_tokenizer
 from hisparse.model.weights import load_model
@@ -166,8 +166,8 @@ def test_shipped_checkpoint_retrieves_through_hisparse():
     giving identical completions."""
     model = load_model(SHIPPED)
     tok = load_tokenizer(SHIPPED).instruct_tokenizer.tokenizer
-    on = passkey_accuracy(model, lambda: build_kv(model.cfg, hot_buffer_tokens=64, host_pool_gib=0.05,
-                                                  resident_window=16), tok, 1500, 4, seed=11)
-    off = passkey_accuracy(model, lambda: build_kv(model.cfg, offload="none"), tok, 1500, 4, seed=11)
+    hisparse = KVSettings(host_pool_gib=0.05, hot_buffer_tokens=64, resident_window=16)
+    on = passkey_accuracy(model, lambda: hisparse.build(model.cfg), tok, 1500, 4, seed=11)
+    off = passkey_accuracy(model, lambda: KVSettings(offload="none").build(model.cfg), tok, 1500, 4, seed=11)
     assert [r.completion for r in on] == [r.completion for r in off]
     assert sum(r.found for r in on) >= 3, [(r.value, r.completion) for r in on]

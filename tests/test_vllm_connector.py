@@ -23,10 +23,10 @@ import pytest
 import torch
 
 from hisparse.connector.metric_names import COUNTERS, GAUGES, metric_name
-from hisparse.connector.settings import HiSparseConfigError, HiSparseSettings
+from hisparse.connector.settings import HiSparseConfigError
 from hisparse.connector.state import AdmissionState, StepPlan, WorkerState
 from hisparse.engine.generate import greedy_generate
-from hisparse.engine.kv_factory import build_kv
+from hisparse.engine.kv_settings import KVSettings, KVSettingsError
 from hisparse.model.batch import ForwardTrace, Segment
 from hisparse.model.config import preset
 from hisparse.model.kv import KVStats
@@ -49,14 +49,14 @@ STARTUP_S = 420
     ({"host_pool_gib": 1, "hot_buffer_tokens": True}, "hot_buffer_tokens"), ({"host_pool_gib": 1, "pool": 2}, "pool"),
 ])
 def test_bad_settings_name_the_key(extra, key):
-    with pytest.raises(HiSparseConfigError, match=f"kv_connector_extra_config: .*'{key}'"):
-        HiSparseSettings.from_extra_config(extra)
+    with pytest.raises(KVSettingsError, match=f"kv_connector_extra_config: .*'{key}'"):
+        KVSettings.from_extra_config(extra)
 
 
 def test_settings_defaults_and_values():
-    s = HiSparseSettings.from_extra_config({"host_pool_gib": 2, "resident_window": 0})
-    assert (s.host_pool_gib, s.kv_offload, s.kv_layout, s.hot_buffer_tokens, s.resident_window) == \
-        (2.0, "hisparse", "fp8_ds_mla", None, 0)
+    s = KVSettings.from_extra_config({"host_pool_gib": 2, "resident_window": 0})
+    assert (s.host_pool_gib, s.offload, s.layout, s.hot_buffer_tokens, s.resident_window, s.page_tokens) == \
+        (2.0, "hisparse", "fp8_ds_mla", None, 0, 64)
 
 
 def test_admission_waits_for_room():
@@ -80,7 +80,7 @@ def test_worker_maps_vllm_batch_to_segments_and_frees(seed):
     plan admitted; releasing returns the pool to empty."""
     rng = random.Random(seed)
     cfg = preset("tiny")
-    w = WorkerState(cfg, HiSparseSettings(host_pool_gib=0.05), torch.float32, torch.device("cpu"), 256)
+    w = WorkerState(cfg, KVSettings(host_pool_gib=0.05), torch.float32, torch.device("cpu"), 256)
     reqs = [f"req-{i}" for i in range(5)]
     blocks = rng.sample(range(1000), len(reqs))
     w.apply(StepPlan([], [(r, b, 200) for r, b in zip(reqs, blocks)]))
@@ -105,7 +105,7 @@ def test_worker_maps_vllm_batch_to_segments_and_frees(seed):
 
 def test_worker_rejects_pool_smaller_than_context():
     with pytest.raises(HiSparseConfigError, match="'host_pool_gib'.*max_model_len"):
-        WorkerState(preset("tiny"), HiSparseSettings(host_pool_gib=0.001), torch.float32, torch.device("cpu"),
+        WorkerState(preset("tiny"), KVSettings(host_pool_gib=0.001), torch.float32, torch.device("cpu"),
                     1 << 20)
 
 
@@ -222,8 +222,7 @@ def reference(model_dir: Path, prompts: list[list[int]], budgets: list[int]) -> 
     model = load_model(model_dir)
     total, out = KVStats(), []
     for p, max_tokens in zip(prompts, budgets):
-        kv = build_kv(model.cfg, offload="hisparse", host_pool_gib=EXTRA["host_pool_gib"],
-                      hot_buffer_tokens=EXTRA["hot_buffer_tokens"], resident_window=EXTRA["resident_window"])
+        kv = KVSettings.from_extra_config(EXTRA).build(model.cfg)
         out.append(greedy_generate(model, kv, p, max_tokens, trace=ForwardTrace()).tokens)
         for k in vars(total):
             setattr(total, k, getattr(total, k) + getattr(kv.stats, k))

@@ -30,7 +30,7 @@ from hisparse.dcp.group import DCPGroup
 from hisparse.dcp.kv import ShardedKV
 from hisparse.dcp.launch import launch
 from hisparse.engine.generate import prefill
-from hisparse.gpu_working_set.hisparse_kv import HiSparseKV
+from hisparse.engine.kv_settings import KVSettings
 from hisparse.model.batch import Segment
 from hisparse.model.config import preset_params
 from hisparse.model.kv import LatentKV
@@ -83,8 +83,8 @@ def decode_steps(model, kv: LatentKV, context: int, steps: int) -> dict:
 def rank_main(group: DCPGroup, args: dict) -> dict:
     model = random_model(preset_params("small"), seed=0)
 
-    def store() -> HiSparseKV:
-        return HiSparseKV(model.cfg, "fp8_ds_mla", host_pool_gib=args["pool_gib"])
+    def store() -> LatentKV:
+        return KVSettings(host_pool_gib=args["pool_gib"]).build(model.cfg)
 
     dcp = DCPContext(group, args["interleave"])
     out = {"capacity": {mix: capacity(ShardedKV(store(), dcp), lengths) for mix, lengths in MIXES.items()},

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from hisparse.engine.kv_factory import build_kv
+from hisparse.engine.kv_settings import KVSettings
 from hisparse.engine.speculative import OracleProposer, Proposer, SpeculativeConfig, SpeculativeDecoder
 from hisparse.model.config import preset_params
 from hisparse.model.dspark import DSparkDrafter
@@ -30,7 +30,7 @@ from hisparse.model.weights import load_model
 
 def decode(model: ML4, kv_kind: str, proposer: Proposer, n_spec: int, prompt: list[int], new: int) -> dict:
     """Prefill, then time the decode of `new` tokens (n_spec 0: one plain forward per token)."""
-    kv = build_kv(model.cfg, kv_kind, host_pool_gib=0.25, dtype=model.dtype, device=str(model.device))
+    kv = KVSettings(kv_kind, host_pool_gib=0.25).build(model.cfg, model.device, model.dtype)
     dec = SpeculativeDecoder(model, kv, proposer, SpeculativeConfig(num_speculative_tokens=max(n_spec, 1)))
     st = dec.start(0, prompt)
     out = [st.anchor]

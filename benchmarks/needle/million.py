@@ -26,6 +26,7 @@ import platform
 import resource
 import subprocess
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -33,11 +34,11 @@ import torch
 from tqdm import tqdm
 
 from hisparse.engine.engine import Engine
-from hisparse.engine.kv_factory import build_kv
+from hisparse.engine.kv_settings import KVSettings, KVSettingsError
 from hisparse.engine.request import SamplingParams
 from hisparse.engine.scheduler import SchedulerConfig
-from hisparse.host_pool.layout import RowLayout
 from hisparse.host_pool.pool import GIB
+from hisparse.model.geometry import row_layout
 from hisparse.model.kernels import indexer_topk
 from hisparse.model.kv import KVStats
 from hisparse.model.tiny import builtin_tiny
@@ -49,7 +50,6 @@ from .prompt import PromptBuilder
 from .tokens import LocalCounter
 
 MILLION = 1 << 20
-PAGE_TOKENS = 64          # HiSparseKV's default page
 PROGRESS_EVERY_S = 10.0
 
 
@@ -62,11 +62,12 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def pool_gib(cfg, layout: str, tokens: int) -> float:
-    """Host pool size (GiB) that holds `tokens` positions in whole pages, with half a page of slack for the
-    float round trip."""
-    page_bytes = PAGE_TOKENS * RowLayout.for_config(cfg, layout).row_bytes * len(cfg.kv_owner_layers)
-    return (-(-tokens // PAGE_TOKENS) + 0.5) * page_bytes / GIB
+def pool_gib(cfg, settings: KVSettings, tokens: int) -> float:
+    """Host pool size (GiB) that holds `tokens` positions in whole pages of `settings`, with half a page of slack
+    for the float round trip."""
+    page = settings.page_tokens
+    page_bytes = page * row_layout(cfg, settings.layout).row_bytes * len(cfg.kv_owner_layers)
+    return (-(-tokens // page) + 0.5) * page_bytes / GIB
 
 
 def fit_quadratic(points: list[tuple[int, float]]) -> tuple[float, float] | None:
@@ -137,7 +138,8 @@ def fmt_s(s: float | None) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace, settings: KVSettings) -> dict:
+    """The run of `args`, on a HiSparse store of `settings` whose host pool is sized to the request."""
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -157,16 +159,15 @@ def run(args: argparse.Namespace) -> dict:
     build_s = time.perf_counter() - t
 
     total = args.tokens + args.decode
-    gib = pool_gib(cfg, args.kv_layout, total)
-    kv = build_kv(cfg, "hisparse", args.kv_layout, "cpu", host_pool_gib=gib,
-                  hot_buffer_tokens=args.hot_buffer_tokens, resident_window=args.resident_window)
+    gib = pool_gib(cfg, settings, total)
+    kv = replace(settings, host_pool_gib=gib).build(cfg)
     engine = Engine(model, kv, SchedulerConfig(total, max_num_seqs=1, max_num_batched_tokens=args.chunk))
     req = engine.add_request(ids, SamplingParams(max_tokens=args.decode, temperature=0.0, ignore_eos=True))
     rss_start = rss_bytes()
     result = {
         "benchmark": "million", "driver": "in-process hisparse.engine.Engine (the engine `hisparse serve` runs)",
         "model": str(model_dir), "prompt_tokens": args.tokens, "decode_tokens": args.decode,
-        "chunk": args.chunk, "threads": args.threads, "kv_layout": args.kv_layout,
+        "chunk": args.chunk, "threads": args.threads, "kv_layout": settings.layout,
         "max_position_embeddings": cfg.max_position_embeddings,
         "indexer_kernel": "fused C++ (hisparse/model/kernels)" if indexer_topk.available() else "torch",
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
@@ -254,9 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--chunk", type=int, default=4096, help="prefill chunk (max_num_batched_tokens)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (more than 1 spin-waits badly on a busy machine)")
-    ap.add_argument("--kv-layout", choices=("fp8_ds_mla", "bf16"), default="fp8_ds_mla")
-    ap.add_argument("--hot-buffer-tokens", type=int, default=None)
-    ap.add_argument("--resident-window", type=int, default=None)
+    # the KV flags but --kv-offload (always hisparse) and --host-pool-gib (sized to the request)
+    KVSettings.add_args(ap, ("layout", "hot_buffer_tokens", "resident_window", "page_tokens"))
     ap.add_argument("--out", default="results/needle/million.json")
     return ap
 
@@ -265,7 +265,11 @@ def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     if args.tokens < 1 or args.decode < 1 or args.chunk < 1 or args.threads < 1:
         raise SystemExit("--tokens, --decode, --chunk and --threads must be >= 1")
-    return run(args)
+    try:
+        settings = KVSettings.from_args(args)
+    except KVSettingsError as e:
+        raise SystemExit(str(e)) from None
+    return run(args, settings)
 
 
 if __name__ == "__main__":

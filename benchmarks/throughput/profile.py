@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from hisparse.engine.engine import Engine
-from hisparse.engine.kv_factory import build_kv
+from hisparse.engine.kv_settings import KVSettings
 from hisparse.engine.request import SamplingParams
 from hisparse.engine.scheduler import SchedulerConfig
 from hisparse.model.config import preset_params
@@ -83,7 +83,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=20.0, help="decode time sampled")
     ap.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default="results/throughput/profile")
+    ap.add_argument("--out", default="benchmarks/results/throughput/profile")
     ap.add_argument("--compare", default=None, help="profile.json of another run, plotted as 'before'")
     args = ap.parse_args()
     py_spy = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
@@ -91,7 +91,7 @@ def main() -> None:
         raise SystemExit("profile needs py-spy (the bench extra: pip install -e '.[bench]')")
     torch.set_num_threads(args.threads)
     model = random_model(preset_params(args.preset), 0)
-    kv = build_kv(model.cfg, "hisparse", host_pool_gib=1.0)
+    kv = KVSettings(host_pool_gib=1.0).build(model.cfg)
     engine = Engine(model, kv, SchedulerConfig(max_model_len=args.prompt_len + 4096,
                                                max_num_seqs=args.concurrency, max_num_batched_tokens=2048))
     g = torch.Generator().manual_seed(0)

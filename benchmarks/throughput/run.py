@@ -5,7 +5,9 @@ prompt + max_tokens tokens need. A request's device bytes are, with `--kv-offloa
 (the layout's row bytes x KV-owning layers, per token) plus its indexer keys (fp8 + scale x indexer layers, per
 token); with HiSparse, the same indexer keys plus its working set on the device (resident window + hot slots,
 measured from `HiSparseKV.device_bytes` while it runs). `none` therefore admits B / (its bytes) requests at once
-(ResidentKV's token budget; the rest wait in the queue) and HiSparse B / (its bytes) (max_num_seqs).
+(ResidentKV's token budget; the rest wait in the queue) and HiSparse B / (its bytes) (max_num_seqs). A third
+engine, `none_unlimited`, runs all-resident with no budget at HiSparse's concurrency: the compute ceiling of the
+batch HiSparse admits, so hisparse / none_unlimited is the cost of offloading at an equal batch.
 
 At each concurrency C the engine gets C long prompts; once every admitted request has prefilled, `--decode-steps`
 pure decode steps are timed: decode tokens/s = generated tokens / their wall time. Writes JSON and a PNG.
@@ -16,6 +18,7 @@ pure decode steps are timed: decode tokens/s = generated tokens / their wall tim
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import time
@@ -24,19 +27,20 @@ from pathlib import Path
 import torch
 
 from hisparse.engine.engine import Engine
-from hisparse.engine.kv_factory import build_kv
+from hisparse.engine.kv_settings import KVSettings
 from hisparse.engine.request import SamplingParams
 from hisparse.engine.scheduler import SchedulerConfig
-from hisparse.host_pool.layout import RowLayout, index_row_bytes
+from hisparse.host_pool.layout import index_row_bytes
 from hisparse.model.config import preset_params
+from hisparse.model.geometry import row_layout
 from hisparse.model.kv import ResidentKV
 from hisparse.model.tiny import random_model
 
 
 def per_token_bytes(cfg, layout: str) -> tuple[int, int]:
     """(latent bytes, indexer-key bytes) one token of context costs on the device when resident."""
-    return (RowLayout.for_config(cfg, layout).row_bytes * len(cfg.kv_owner_layers),
-            index_row_bytes(cfg) * len(cfg.index_owner_layers))
+    return (row_layout(cfg, layout).row_bytes * len(cfg.kv_owner_layers),
+            index_row_bytes(cfg.index_head_dim) * len(cfg.index_owner_layers))
 
 
 def measure(engine: Engine, prompts: list[list[int]], params: SamplingParams, warmup: int, steps: int,
@@ -74,14 +78,12 @@ def main() -> None:
     ap.add_argument("--budget-requests", type=int, default=4, help="device budget = this many resident requests")
     ap.add_argument("--decode-steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--kv-layout", default="fp8_ds_mla")
-    ap.add_argument("--hot-buffer-tokens", type=int, default=None)
-    ap.add_argument("--resident-window", type=int, default=None)
+    KVSettings.add_args(ap, ["layout", "hot_buffer_tokens", "resident_window", "page_tokens"])
     ap.add_argument("--chunk", type=int, default=1024, help="max tokens per forward (prefill chunk budget)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="results/throughput")
+    ap.add_argument("--out", default="benchmarks/results/throughput")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -99,10 +101,11 @@ def main() -> None:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     sched = dict(max_model_len=length, max_num_batched_tokens=max(args.chunk, max(conc)))
 
+    settings = dataclasses.replace(KVSettings.from_args(args),
+                                   host_pool_gib=max(1.0, 2 * max(conc) * length * latent_tok / 2**30))
+
     def hisparse_kv():
-        return build_kv(cfg, "hisparse", args.kv_layout, args.device, host_pool_gib=max(1.0, 2 * max(conc) * length
-                        * latent_tok / 2**30), hot_buffer_tokens=args.hot_buffer_tokens,
-                        resident_window=args.resident_window)
+        return settings.build(cfg, args.device)
 
     # HiSparse device bytes per request, measured on one running request
     kv = hisparse_kv()
@@ -116,21 +119,24 @@ def main() -> None:
           f"requests; hisparse {hs_req / 2**20:.2f} MiB/request -> {limits['hisparse']} requests", flush=True)
 
     rows = []
-    for mode in ("none", "hisparse"):
+    page = settings.page_tokens
+    for mode in ("none", "hisparse", "none_unlimited"):
         for c in conc:
             if mode == "none":   # the budget in the store's page-rounded reservations of `length` tokens each
-                page = ResidentKV(cfg, args.kv_layout, args.device).page_tokens
-                kv = ResidentKV(cfg, args.kv_layout, args.device,
+                kv = ResidentKV(cfg, settings.layout, args.device, page_tokens=page,
                                 budget_tokens=limits["none"] * -(-length // page) * page)
                 seqs = c
-            else:
+            elif mode == "hisparse":
                 kv = hisparse_kv()
+                seqs = min(c, limits["hisparse"])
+            else:
+                kv = ResidentKV(cfg, settings.layout, args.device, page_tokens=page)
                 seqs = min(c, limits["hisparse"])
             eng = Engine(model, kv, SchedulerConfig(max_num_seqs=max(1, seqs), **sched))
             r = measure(eng, prompts[:c], params, args.warmup, args.decode_steps)
             r.update(mode=mode, concurrency=c)
             rows.append(r)
-            print(f"{mode:8s} C={c:3d} running={r['running']:3d} decode {r['decode_tokens_per_s']:8.1f} tok/s "
+            print(f"{mode:14s} C={c:3d} running={r['running']:3d} decode {r['decode_tokens_per_s']:8.1f} tok/s "
                   f"(step {r['step_ms']:.0f} ms, prefill {r['prefill_s']:.1f} s)", flush=True)
 
     result = summarize({
@@ -145,8 +151,11 @@ def main() -> None:
     print(f"hisparse/none decode tokens/s at C={result['ratio_at']} (none saturated at "
           f"{limits['none']}): {result['ratio']:.2f}x; peak vs peak {result['ratio_peak_vs_peak']:.2f}x; "
           f"concurrent requests at this budget {result['capacity_ratio']:.2f}x")
+    print(f"hisparse step at {limits['hisparse']} running / at C=1: {result['step_ratio']:.2f}; hisparse / "
+          f"none_unlimited at C={result['ratio_at']}: {result['ratio_vs_unlimited']:.2f}x; none_unlimited / none: "
+          f"{result['ceiling_ratio']:.2f}x (the most any offload can gain at this batch)")
     plot(result, out / "throughput.png")
-    print(f"wrote {out / 'throughput.json'} and {out / 'throughput.png'}")
+    print(f"wrote {out / 'throughput.json'}")
 
 
 def summarize(result: dict) -> dict:
@@ -155,27 +164,38 @@ def summarize(result: dict) -> dict:
     conc = sorted({c for _, c in tps})
     c_max = conc[-1]
     lim = result["max_concurrent"]
+    step = {(r["mode"], r["concurrency"]): r["step_ms"] for r in result["rows"]}
     result.update(ratio_at=c_max, ratio=tps[("hisparse", c_max)] / tps[("none", c_max)],
                   ratio_peak_vs_peak=max(tps[("hisparse", c)] for c in conc) / max(tps[("none", c)] for c in conc),
-                  capacity_ratio=lim["hisparse"] / lim["none"])
+                  capacity_ratio=lim["hisparse"] / lim["none"],
+                  step_ratio=step[("hisparse", c_max)] / step[("hisparse", conc[0])],
+                  ratio_vs_unlimited=tps[("hisparse", c_max)] / tps[("none_unlimited", c_max)],
+                  ceiling_ratio=tps[("none_unlimited", c_max)] / tps[("none", c_max)])
     return result
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib missing (the bench extra: pip install -e '.[bench]'): no PNG written")
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 4))
-    for mode, style in (("none", "o--"), ("hisparse", "s-")):
+    labels = {"none": f"none (max {result['max_concurrent']['none']} on device)",
+              "hisparse": f"hisparse (max {result['max_concurrent']['hisparse']} on device)",
+              "none_unlimited": "none, unlimited device memory, at hisparse's concurrency"}
+    for mode, style in (("none", "o--"), ("hisparse", "s-"), ("none_unlimited", "^:")):
         pts = sorted((r["concurrency"], r["decode_tokens_per_s"]) for r in result["rows"] if r["mode"] == mode)
-        ax.plot(*zip(*pts), style, label=f"{mode} (max {result['max_concurrent'][mode]} on device)")
+        ax.plot(*zip(*pts), style, label=labels[mode], color="grey" if mode == "none_unlimited" else None)
     ax.axvline(result["max_concurrent"]["none"], color="grey", lw=0.8, ls=":")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrent requests")
     ax.set_ylabel("decode tokens/s")
     ax.set_title(f"{result['preset']} preset, {result['prompt_len']}-token prompts, "
                  f"{result['device_budget_bytes'] / 2**20:.0f} MiB device budget ({result['device']})")
-    ax.legend()
+    ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -25,8 +25,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
 
+from ..engine.kv_settings import KVSettings
 from ..model.config import ModelConfig
-from .settings import HiSparseSettings
 from .state import AdmissionState, StepPlan, WorkerState
 from .stats import HiSparseConnectorStats, HiSparsePromMetrics
 
@@ -47,7 +47,7 @@ class HiSparseHandshake(KVConnectorHandshakeMetadata):
 class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
-        settings = HiSparseSettings.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
+        settings = KVSettings.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
         mc = vllm_config.model_config
         self.admission: AdmissionState | None = None
         self.worker: WorkerState | None = None

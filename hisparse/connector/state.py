@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..engine.kv_factory import build_kv
+from ..engine.kv_settings import KVSettings
 from ..gpu_working_set.hisparse_kv import HiSparseKV
 from ..model.batch import Segment, segment_positions
 from ..model.config import ModelConfig
 from ..model.kv import KVStats
-from .settings import HiSparseConfigError, HiSparseSettings
+from .settings import HiSparseConfigError
 
 
 @dataclass
@@ -63,11 +63,9 @@ class AdmissionState:
 class WorkerState:
     """One worker's latent store and its view of vLLM's batch."""
 
-    def __init__(self, cfg: ModelConfig, settings: HiSparseSettings, dtype: torch.dtype, device: torch.device,
+    def __init__(self, cfg: ModelConfig, settings: KVSettings, dtype: torch.dtype, device: torch.device,
                  max_model_len: int):
-        self.kv = build_kv(cfg, offload=settings.kv_offload, layout=settings.kv_layout, device=str(device),
-                           host_pool_gib=settings.host_pool_gib, hot_buffer_tokens=settings.hot_buffer_tokens,
-                           resident_window=settings.resident_window, dtype=dtype)
+        self.kv = settings.build(cfg, device, dtype)
         cap = self.kv.token_capacity()
         if cap is not None and cap < max_model_len:
             raise HiSparseConfigError(

@@ -22,8 +22,9 @@ from vllm.logger import init_logger
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 from vllm.transformers_utils.config import MistralConfigParser
 
+from ..engine.kv_settings import KVSettings
 from ..model.config import ModelConfig
-from .settings import HiSparseConfigError, HiSparseSettings
+from .settings import HiSparseConfigError
 
 ARCHITECTURE = "HiSparseML4ForCausalLM"
 MODEL_TYPE = "hisparse_ml4"
@@ -74,7 +75,7 @@ class HiSparseModelConfig(VerifyAndUpdateConfig):
                 f"--kv-transfer-config '{{\"kv_connector\":\"{CONNECTOR}\",\"kv_connector_module_path\":"
                 f"\"{CONNECTOR_MODULE}\",\"kv_role\":\"kv_both\",\"kv_connector_extra_config\":"
                 "{\"host_pool_gib\":8}}'")
-        HiSparseSettings.from_extra_config(kvt.kv_connector_extra_config)
+        KVSettings.from_extra_config(kvt.kv_connector_extra_config)
         if vllm_config.cache_config.enable_prefix_caching:
             logger.info("hisparse: disabling vLLM prefix caching (latent rows live in hisparse's store)")
             vllm_config.cache_config.enable_prefix_caching = False

@@ -1,8 +1,8 @@
 """`hisparse serve --dcp-size R`: the serve process is rank 0 (scheduler, HTTP server, sampling) and starts R-1
 follower rank processes that replay its steps on their own shards (issue 8).
 
-Each follower loads the same checkpoint and builds its own KV store from the same flags (its own host pool of
---host-pool-gib), marks itself ready, and joins the group (gloo on CPU, NCCL on CUDA; a file store in a private
+Each follower loads the same checkpoint and builds its own KV store from the same KVSettings (its own host pool
+of --host-pool-gib), marks itself ready, and joins the group (gloo on CPU, NCCL on CUDA; a file store in a private
 temp dir). Rank 0 waits for every follower to be ready (a follower that fails to start ends `serve` with its
 error), joins, and all ranks exchange their pool sizes (printed at startup). Followers die with rank 0 (Linux
 parent-death signal), ignore Ctrl-C (rank 0 decides when they leave), and leave on rank 0's stop message.
@@ -18,16 +18,15 @@ import os
 import signal
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from ..engine.kv_settings import KVSettings
 from ..engine.runner import ModelRunner
 from ..engine.spec_decode import Speculator
 from ..engine.speculative import SpeculativeConfig
-from ..model.config import ModelConfig
 from ..model.dspark import DSparkDrafter
 from ..model.kv import LatentKV
 from ..model.ml4 import ML4
@@ -38,9 +37,6 @@ from .group import DEFAULT_TIMEOUT_S, DCPGroup
 from .kv import ShardedKV
 from .launch import die_with_parent, failure_report, rank_failure, store_url
 from .replica import RankPool, gather_pools
-
-KVFactory = Callable[[ModelConfig], LatentKV]   # picklable (functools.partial of build_kv): followers call it too
-
 
 @dataclass(frozen=True)
 class DCPServeConfig:
@@ -75,7 +71,7 @@ def run_follower(group: DCPGroup, model: ML4, kv: LatentKV, interleave: int,
 
 
 def follower_main(rank: int, cfg: DCPServeConfig, workdir: str, model_dir: Path, device: str, dtype: torch.dtype,
-                  kv_factory: KVFactory, speculative: SpeculativeConfig | None) -> None:
+                  kv_settings: KVSettings, speculative: SpeculativeConfig | None) -> None:
     """Body of a spawned follower process (a traceback goes to error{rank}.txt for rank 0)."""
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -83,7 +79,7 @@ def follower_main(rank: int, cfg: DCPServeConfig, workdir: str, model_dir: Path,
         if device.startswith("cuda"):
             torch.cuda.set_device(rank % torch.cuda.device_count())
         model = load_model(model_dir, device=device, dtype=dtype)
-        kv = kv_factory(model.cfg)
+        kv = kv_settings.build(model.cfg, device, dtype)
         (Path(workdir) / f"ready{rank}").touch()
         group = DCPGroup.init(rank, cfg.size, store_url(workdir), cfg.backend, cfg.timeout_s)
         run_follower(group, model, kv, cfg.interleave, speculative)
@@ -97,14 +93,14 @@ class DCPStartError(RuntimeError):
 class FollowerRanks:
     """Rank 0's handle on the follower processes it spawned: readiness, joining, diagnosis, clean-up."""
 
-    def __init__(self, cfg: DCPServeConfig, model_dir: Path, device: str, dtype: torch.dtype, kv_factory: KVFactory,
-                 speculative: SpeculativeConfig | None):
+    def __init__(self, cfg: DCPServeConfig, model_dir: Path, device: str, dtype: torch.dtype,
+                 kv_settings: KVSettings, speculative: SpeculativeConfig | None):
         self.cfg = cfg
         self._tmp = tempfile.TemporaryDirectory(prefix="hisparse-dcp-")
         self.workdir = Path(self._tmp.name)
         ctx = multiprocessing.get_context("spawn")
         self.procs = {r: ctx.Process(target=follower_main, name=f"dcp-rank{r}", daemon=True,
-                                     args=(r, cfg, str(self.workdir), model_dir, device, dtype, kv_factory,
+                                     args=(r, cfg, str(self.workdir), model_dir, device, dtype, kv_settings,
                                            speculative))
                       for r in range(1, cfg.size)}
         for p in self.procs.values():

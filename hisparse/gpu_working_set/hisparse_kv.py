@@ -16,10 +16,10 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from ..host_pool.layout import RowLayout
 from ..host_pool.pages import paged_rows
 from ..host_pool.pool import HostPool
 from ..model.config import ModelConfig
+from ..model.geometry import row_layout
 from ..model.kv import LatentKV, RowSource
 from .arena import DeviceArena
 from .copier import Copier
@@ -40,7 +40,7 @@ class HiSparseKV(LatentKV):
         window = DEFAULT_WINDOW if resident_window is None else resident_window
         if n_slots < 0 or window < 0 or sink_tokens < 0:
             raise ValueError("hot_buffer_tokens, resident_window and sink tokens must be >= 0")
-        pool = HostPool(cfg, RowLayout.for_config(cfg, layout), host_pool_gib, page_tokens)
+        pool = HostPool(row_layout(cfg, layout), cfg.kv_source_layers, host_pool_gib, page_tokens)
         super().__init__(cfg, layout, device, dtype, pool.pages)
         self.pool, self.n_slots, self.window, self.sinks = pool, n_slots, window, sink_tokens
         self.copier = Copier(self.device)
@@ -141,10 +141,11 @@ class HiSparseKV(LatentKV):
         transient = (plan.kind[j] == EXTRA) if plan.n_transient else None
 
         def rows(lo: int, hi: int) -> torch.Tensor:
-            data = a.gather(idx[lo:hi])
-            if transient is not None:   # rows copied for this step only
-                data = torch.where(transient[lo:hi, :, None], extra[plan.extra[j[lo:hi]].clamp(min=0)], data)
-            return self.decode(data)
+            out = self.layout.gather_unpack(a.data, idx[lo:hi], self.dtype)
+            if transient is not None:   # rows copied for this step only (the arena index read the zero row)
+                fresh = self.layout.gather_unpack(extra, plan.extra[j[lo:hi]].clamp(min=0), self.dtype)
+                out = torch.where(transient[lo:hi, :, None], fresh, out)
+            return out
         return rows
 
     def plan_group(self, group: int, seg: torch.Tensor, sel: torch.Tensor) -> Plan:

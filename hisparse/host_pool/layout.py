@@ -11,17 +11,18 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model.config import ModelConfig
+from .kernels import gather_unpack as native
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 FLT_MIN = torch.finfo(torch.float32).tiny
 LAYOUTS = ("fp8_ds_mla", "bf16")
+NATIVE = True   # read CPU rows with the fused kernel when it builds (False: always index_select + unpack)
 
 
-def fp8_tile(cfg: ModelConfig) -> int:
-    """fp8 quantisation tile of the latent: 128 at full size (r = 512), 16 for the small test configs."""
-    return 128 if cfg.kv_lora_rank >= 512 else 16
+def fp8_tile(rank: int) -> int:
+    """fp8 quantisation tile of a latent of width `rank`: 128 at full size (r = 512), 16 for the small configs."""
+    return 128 if rank >= 512 else 16
 
 
 @dataclass(frozen=True)
@@ -33,13 +34,14 @@ class RowLayout:
     tile: int        # fp8 tile (fp8_ds_mla only)
 
     @classmethod
-    def for_config(cls, cfg: ModelConfig, name: str) -> "RowLayout":
+    def create(cls, name: str, rank: int, rope_dim: int) -> "RowLayout":
+        """The layout `name` of a latent row of width `rank` + `rope_dim`."""
         if name not in LAYOUTS:
             raise ValueError(f"kv_layout: unknown layout {name!r}; choose one of {list(LAYOUTS)}")
-        tile = fp8_tile(cfg)
-        if cfg.kv_lora_rank % tile:
-            raise ValueError(f"kv_layout: kv_lora_rank {cfg.kv_lora_rank} is not a multiple of the fp8 tile {tile}")
-        return cls(name, cfg.kv_lora_rank, cfg.qk_rope_head_dim, tile)
+        tile = fp8_tile(rank)
+        if rank % tile:
+            raise ValueError(f"kv_layout: kv_lora_rank {rank} is not a multiple of the fp8 tile {tile}")
+        return cls(name, rank, rope_dim, tile)
 
     @property
     def row_bytes(self) -> int:
@@ -72,25 +74,32 @@ class RowLayout:
         k_rope = data[:, r + 4 * n_scales:].contiguous().view(torch.bfloat16).float()
         return torch.cat((c, k_rope), dim=1).to(dtype)
 
+    def gather_unpack(self, store: torch.Tensor, idx: torch.Tensor, dtype: torch.dtype = torch.float32
+                      ) -> torch.Tensor:
+        """unpack(store[idx]): rows of store [rows, row_bytes] uint8 at idx (any shape) -> [*idx.shape, r + dR] in
+        `dtype`. CPU fp32/fp64 reads take the fused kernel (one pass, same bits) when it builds and NATIVE is set."""
+        width = self.rank + self.rope_dim
+        if NATIVE and native.supports(store, idx, dtype) and native.available():
+            tile = self.tile if self.name == "fp8_ds_mla" else 0
+            out = native.gather_unpack(store, idx, self.rank, self.rope_dim, tile, dtype)
+        else:
+            out = self.unpack(torch.index_select(store, 0, idx.flatten()), dtype)
+        return out.view(*idx.shape, width)
 
-def index_row_bytes(cfg: ModelConfig) -> int:
+
+def index_row_bytes(index_head_dim: int) -> int:
     """Indexer key row: dI x fp8 + one fp32 power-of-two scale (132 B at full size)."""
-    return cfg.index_head_dim + 4
+    return index_head_dim + 4
 
 
 @dataclass(frozen=True)
 class Geometry:
-    """Per-token byte counts of a config under one layout (spec §4)."""
+    """Per-token byte counts of a model under one layout (spec §4); `hisparse.model.geometry` builds it from a config."""
     row_bytes: int
     kv_owner_layers: int
     index_owner_layers: int
     n_layers: int
     index_row_bytes: int
-
-    @classmethod
-    def of(cls, cfg: ModelConfig, layout: str = "fp8_ds_mla") -> "Geometry":
-        return cls(RowLayout.for_config(cfg, layout).row_bytes, len(cfg.kv_owner_layers),
-                   len(cfg.index_owner_layers), cfg.n_layers, index_row_bytes(cfg))
 
     @property
     def latent_bytes_per_token(self) -> int:

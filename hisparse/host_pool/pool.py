@@ -9,11 +9,10 @@ layers own no rows: they are bound to their source layer's view (zero bytes). Th
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 import torch
 
-from ..model.config import ModelConfig
 from .layout import RowLayout
 from .pages import PageTable, PoolExhausted
 
@@ -23,10 +22,12 @@ __all__ = ["GIB", "HostPool", "PoolExhausted"]
 
 
 class HostPool:
-    def __init__(self, cfg: ModelConfig, layout: RowLayout, host_pool_gib: float, page_tokens: int = 64,
+    """kv_sources[l]: the layer whose rows layer l reads (l itself for a KV owner)."""
+
+    def __init__(self, layout: RowLayout, kv_sources: Sequence[int], host_pool_gib: float, page_tokens: int = 64,
                  pin: bool | None = None):
-        self.cfg, self.layout, self.page_tokens = cfg, layout, page_tokens
-        self.owner_layers = cfg.kv_owner_layers
+        self.layout, self.page_tokens, self.kv_sources = layout, page_tokens, tuple(kv_sources)
+        self.owner_layers = [l for l, src in enumerate(self.kv_sources) if src == l]
         self.slot_of_layer = {l: i for i, l in enumerate(self.owner_layers)}
         self.page_bytes = page_tokens * layout.row_bytes * len(self.owner_layers)
         n_pages = int(host_pool_gib * GIB) // self.page_bytes
@@ -70,7 +71,7 @@ class HostPool:
 
     def layer_view(self, layer: int) -> torch.Tensor:
         """[n_pages * page_tokens, row_bytes] rows of `layer`'s source (KV consumers bind to their source)."""
-        src = self.cfg.layers[layer].kv_source
+        src = self.kv_sources[layer]
         return self.buffer[self.slot_of_layer[src]].view(-1, self.layout.row_bytes)
 
     # ---- allocation ----

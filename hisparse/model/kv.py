@@ -20,9 +20,9 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from ..host_pool.layout import RowLayout
 from ..host_pool.pages import PageTable, paged_rows
 from .config import ModelConfig
+from .geometry import row_layout
 from .indexer import Indexer, paged_topk
 
 ATTEND_BLOCK_ELEMS = 1 << 24   # bound on the [rows, k, r + dR] decoded rows sparse MLA holds at once
@@ -116,7 +116,7 @@ class LatentKV(ABC):
     def __init__(self, cfg: ModelConfig, layout: str | None, device: torch.device | str, dtype: torch.dtype,
                  pages: PageTable):
         self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
-        self.layout = RowLayout.for_config(cfg, layout) if layout else None
+        self.layout = row_layout(cfg, layout) if layout else None
         self.pages, self.page_tokens = pages, pages.page_tokens
         self.index_keys = PagedStore(cfg.index_owner_layers, cfg.index_head_dim, dtype, self.device,
                                      pages.page_tokens)
@@ -127,13 +127,6 @@ class LatentKV(ABC):
     def encode(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [T, r + dR] -> the stored form (layout bytes, or the compute dtype when layout is None)."""
         return self.layout.pack(rows) if self.layout else rows.to(self.dtype)
-
-    def decode(self, data: torch.Tensor) -> torch.Tensor:
-        """Stored rows [..., stored_width] -> rows [..., r + dR] in the compute dtype."""
-        if not self.layout:
-            return data
-        return self.layout.unpack(data.reshape(-1, data.shape[-1]), self.dtype).view(*data.shape[:-1],
-                                                                                     self.cfg.latent_dim)
 
     @property
     def stored_width(self) -> int:
@@ -267,8 +260,10 @@ class ResidentKV(LatentKV):
     def gather(self, layer: int, seg: torch.Tensor, sel: torch.Tensor) -> RowSource:
         idx = paged_rows(self.tables.pages, seg[:, None].expand_as(sel), sel.clamp(min=0), self.page_tokens)
         store = self.rows.data[self.source(layer)]
-        return lambda lo, hi: self.decode(torch.index_select(store, 0, idx[lo:hi].flatten()).view(
-            hi - lo, sel.shape[1], self.rows.width))
+        if self.layout:
+            return lambda lo, hi: self.layout.gather_unpack(store, idx[lo:hi], self.dtype)
+        return lambda lo, hi: torch.index_select(store, 0, idx[lo:hi].flatten()).view(hi - lo, sel.shape[1],
+                                                                                      self.rows.width)
 
     def latent_bytes(self, req: Hashable | None = None) -> int:
         """Device bytes of latent rows held (by one request, or by all)."""

@@ -17,8 +17,9 @@ from ..dcp.context import DCPContext
 from ..dcp.group import DCPError, DCPGroup
 from ..dcp.kv import ShardedKV
 from ..dcp.leader import DCPEngine
-from ..dcp.serve import DCPServeConfig, DCPStartError, FollowerRanks, KVFactory, pool_lines, run_follower
+from ..dcp.serve import DCPServeConfig, DCPStartError, FollowerRanks, pool_lines, run_follower
 from ..engine.engine import Engine
+from ..engine.kv_settings import KVSettings
 from ..engine.scheduler import SchedulerConfig
 from ..engine.speculative import SpeculativeConfig
 from ..model.config import ModelConfig
@@ -81,18 +82,18 @@ def dcp_config(args: argparse.Namespace) -> DCPServeConfig | None:
     return cfg if cfg.size > 1 else None
 
 
-def serve(args: argparse.Namespace, model_dir: Path, dtype: torch.dtype, kv_factory: KVFactory) -> None:
-    """Run the server until interrupted. The model computes in `dtype`; `kv_factory(cfg)` builds the LatentKV from
-    the CLI's KV flags (with --dcp-size > 1 every rank calls it: it must be picklable)."""
+def serve(args: argparse.Namespace, model_dir: Path, dtype: torch.dtype, kv_settings: KVSettings) -> None:
+    """Run the server until interrupted. The model computes in `dtype` on --device; `kv_settings` (the CLI's KV
+    flags) builds the LatentKV (with --dcp-size > 1 every rank builds its own)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     speculative = speculative_config(args.speculative_config, model_dir)
     dcp = dcp_config(args)
     followers = None
     if dcp is not None and "RANK" not in os.environ:      # under torchrun the ranks exist already
-        followers = FollowerRanks(dcp, model_dir, args.device, dtype, kv_factory, speculative)   # they load meanwhile
+        followers = FollowerRanks(dcp, model_dir, args.device, dtype, kv_settings, speculative)   # they load meanwhile
     engine = None
     try:
-        engine = _serve(args, model_dir, dtype, kv_factory, speculative, dcp, followers)
+        engine = _serve(args, model_dir, dtype, kv_settings, speculative, dcp, followers)
     except DCPStartError as e:
         raise SystemExit(f"hisparse serve: {e}") from None
     except DCPError as e:    # the start-up exchange failed
@@ -105,7 +106,7 @@ def serve(args: argparse.Namespace, model_dir: Path, dtype: torch.dtype, kv_fact
         raise SystemExit(f"hisparse serve: stopped because the DCP group failed: {engine.fatal}")
 
 
-def _serve(args: argparse.Namespace, model_dir: Path, dtype: torch.dtype, kv_factory: KVFactory,
+def _serve(args: argparse.Namespace, model_dir: Path, dtype: torch.dtype, kv_settings: KVSettings,
            speculative: SpeculativeConfig | None, dcp: DCPServeConfig | None,
            followers: FollowerRanks | None) -> Engine | None:
     """Load, build and run until the HTTP server stops; the engine (None on a torchrun follower rank)."""
@@ -114,7 +115,7 @@ def _serve(args: argparse.Namespace, model_dir: Path, dtype: torch.dtype, kv_fac
     if dcp is not None and followers is None:     # torchrun: join first (this also picks the rank's GPU)
         group = DCPGroup.from_env(timeout_s=dcp.timeout_s)
     model = load_model(model_dir, device=args.device, dtype=dtype)
-    kv = kv_factory(model.cfg)
+    kv = kv_settings.build(model.cfg, args.device, dtype)
     if dcp is not None:
         group = group or followers.join()
         if group.size != dcp.size:
@@ -138,7 +139,7 @@ def _serve(args: argparse.Namespace, model_dir: Path, dtype: torch.dtype, kv_fac
                           speculative)
     name = args.served_model_name or model_dir.name
     app = build_app(engine, tokenizer, ServerConfig(name, max_model_len, args.api_key, args.debug_hooks))
-    lines = capacity_lines(kv, args.kv_offload, max_model_len)
+    lines = capacity_lines(kv, kv_settings.offload, max_model_len)
     if dcp is not None:
         engine.leader.gather()                   # the start-up exchange: every rank's pool
         lines += pool_lines(engine.rank_pools(), kv, followers.pids() if followers is not None else {})

@@ -27,8 +27,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from ..engine.kv_settings import KVSettings, KVSettingsError
 from ..model.config import ModelConfig
-from ..model.kernels.indexer_topk import cpu_id
+from ..native import cpu_id
 from ..model.ml4 import ML4
 from ..model.tokenizer import load_tokenizer, write_tekken
 from ..model.weights import load_model, save_model
@@ -244,17 +245,15 @@ def load_stage(out: Path, stage: Stage) -> ML4:
     return load_model(stage_dir(out, stage)).train()
 
 
-def report(out: Path, lengths: list[int], samples: int, hot_buffer_tokens: int, seed: int) -> dict:
-    """Passkey accuracy of the saved checkpoint through HiSparse (hot buffer << context), per haystack length,
-    with the per-layer needle recall; written to out/eval.json."""
-    from ..engine.kv_factory import build_kv
+def report(out: Path, lengths: list[int], samples: int, settings: KVSettings, seed: int) -> dict:
+    """Passkey accuracy of the saved checkpoint through `settings`' KV (HiSparse, hot buffer << context), per
+    haystack length, with the per-layer needle recall; written to out/eval.json."""
     from .evaluate import passkey_accuracy
     saved = load_model(out)          # the checkpoint as stored (bf16 weights), not the fp32 training copy
     tok = load_tokenizer(out).instruct_tokenizer.tokenizer
     rows = []
     for chars in lengths:
-        res = passkey_accuracy(saved, lambda: build_kv(saved.cfg, hot_buffer_tokens=hot_buffer_tokens,
-                                                       host_pool_gib=0.25), tok, chars, samples, seed)
+        res = passkey_accuracy(saved, lambda: settings.build(saved.cfg), tok, chars, samples, seed)
         layers = sorted(res[0].recall)
         rows.append({"haystack_chars": chars, "prompt_tokens": round(sum(r.tokens for r in res) / len(res)),
                      "accuracy": sum(r.found for r in res) / len(res), "samples": len(res),
@@ -262,7 +261,7 @@ def report(out: Path, lengths: list[int], samples: int, hot_buffer_tokens: int, 
                      "local_recall": {l: round(sum(r.local[l] for r in res) / len(res), 3) for l in layers}})
         print(f"passkey @ {rows[-1]['prompt_tokens']:,} tokens: {100 * rows[-1]['accuracy']:.0f}% of {samples}, "
               f"needle recall per layer {rows[-1]['needle_recall']}, local {rows[-1]['local_recall']}", flush=True)
-    result = {"kv": f"hisparse, hot buffer {hot_buffer_tokens}", "rows": rows}
+    result = {"kv": f"hisparse, hot buffer {settings.hot_buffer(saved.cfg)}", "rows": rows}
     (out / "eval.json").write_text(json.dumps(result, indent=1))
     return result
 
@@ -270,7 +269,10 @@ def report(out: Path, lengths: list[int], samples: int, hot_buffer_tokens: int, 
 def main(args) -> None:
     """`hisparse train-needle` (args from the CLI)."""
     out = Path(args.out)
+    try:     # checked before training: a bad --hot-buffer-tokens fails now, not after the last stage
+        settings = KVSettings(host_pool_gib=0.25, hot_buffer_tokens=args.hot_buffer_tokens)
+    except KVSettingsError as e:
+        raise SystemExit(f"--hot-buffer-tokens: {e.problem}") from None
     if not args.eval_only:
         train(out, Recipe(seed=args.seed), resume=args.resume)
-    report(out, [int(c) for c in args.eval_chars.split(",")], args.eval_samples, args.hot_buffer_tokens,
-           args.seed)
+    report(out, [int(c) for c in args.eval_chars.split(",")], args.eval_samples, settings, args.seed)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .build import cpu_id, load   # cpu_id: also imported from here (hisparse.train.trainer)
+from ...native import load
 
 SOURCE = Path(__file__).with_name("indexer_topk.cpp")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC"]

@@ -1,0 +1,153 @@
+"""KVSettings: where and how the latent KV is stored, from the command line or from vLLM's connector config.
+
+The one place the KV options are declared, defaulted and validated: `add_args` / `from_args` for the `hisparse`
+command line (`--kv-offload`, `--kv-layout`, `--host-pool-gib`, ...), `from_extra_config` for vLLM's
+`kv_transfer_config.kv_connector_extra_config` (`kv_offload`, `kv_layout`, `host_pool_gib`, ...), and `build`
+for the LatentKV they describe. Settings are picklable: DCP follower ranks receive them and build their own store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from ..gpu_working_set.hisparse_kv import DEFAULT_SINKS, DEFAULT_WINDOW, HiSparseKV
+from ..host_pool.layout import LAYOUTS
+from ..model.config import ModelConfig
+from ..model.kv import LatentKV, ResidentKV
+
+OFFLOADS = ("hisparse", "none")
+EXTRA_CONFIG = "kv_connector_extra_config"
+
+# A field's name as a flag (--kv-offload) and as a kv_connector_extra_config key: only offload and layout carry
+# the kv_ prefix there.
+_KEYS = {"offload": "kv_offload", "layout": "kv_layout"}
+
+
+def _key(field: str) -> str:
+    return _KEYS.get(field, field)
+
+
+def _flag(field: str) -> str:
+    return "--" + _key(field).replace("_", "-")
+
+
+class KVSettingsError(ValueError):
+    """An invalid KV setting. `field` is the KVSettings field (None for an unknown config key), `problem` what is
+    wrong with its value; the message names the field as the settings' source spells it (field, flag or key)."""
+
+    def __init__(self, message: str, field: str | None = None, problem: str = ""):
+        super().__init__(message, field, problem)   # all three in args: the error pickles across processes
+        self.message, self.field, self.problem = message, field, problem
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _invalid(field: str, problem: str) -> KVSettingsError:
+    return KVSettingsError(f"{field}: {problem}", field, problem)
+
+
+def _is_int(v: Any, least: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= least
+
+
+@dataclass(frozen=True)
+class KVSettings:
+    offload: str = "hisparse"              # 'hisparse': rows in the host pool, hot working set on the device;
+                                           # 'none': all rows resident on the device (reference)
+    layout: str = "fp8_ds_mla"             # stored row format (hisparse.host_pool.layout.LAYOUTS)
+    host_pool_gib: float = 4.0             # host memory for latent rows (offload 'hisparse')
+    hot_buffer_tokens: int | None = None   # hot slots per (index group, request); None: 2 x index_topk
+    resident_window: int | None = None     # newest tokens per request kept on the device; None: 64
+    page_tokens: int = 64                  # tokens per page: the allocation unit of the host pool (or of the
+                                           # device store with offload 'none')
+
+    def __post_init__(self) -> None:
+        """Validate every field; KVSettingsError names the first bad one."""
+        if self.offload not in OFFLOADS:
+            raise _invalid("offload", f"must be one of {list(OFFLOADS)}, got {self.offload!r}")
+        if self.layout not in LAYOUTS:
+            raise _invalid("layout", f"must be one of {list(LAYOUTS)}, got {self.layout!r}")
+        gib = self.host_pool_gib
+        if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not 0 < gib < math.inf:
+            raise _invalid("host_pool_gib", f"must be a positive number of GiB, got {gib!r}")
+        object.__setattr__(self, "host_pool_gib", float(gib))    # 8 and 8.0 are the same setting
+        for name in ("hot_buffer_tokens", "resident_window"):
+            v = getattr(self, name)
+            if v is not None and not _is_int(v, 0):
+                raise _invalid(name, f"must be an integer >= 0, got {v!r}")
+        if not _is_int(self.page_tokens, 1):
+            raise _invalid("page_tokens", f"must be an integer >= 1, got {self.page_tokens!r}")
+
+    # ---- resolved defaults ----
+    def hot_buffer(self, cfg: ModelConfig) -> int:
+        """Hot slots per (index group, request) for a model of `cfg`."""
+        return 2 * cfg.index_topk if self.hot_buffer_tokens is None else self.hot_buffer_tokens
+
+    @property
+    def window(self) -> int:
+        """Newest tokens per request kept on the device."""
+        return DEFAULT_WINDOW if self.resident_window is None else self.resident_window
+
+    def build(self, cfg: ModelConfig, device: torch.device | str = "cpu",
+              dtype: torch.dtype = torch.float32) -> LatentKV:
+        """The LatentKV these settings describe, for a model of `cfg` computing in `dtype` on `device`."""
+        if self.offload == "none":
+            return ResidentKV(cfg, self.layout, device, dtype, page_tokens=self.page_tokens)
+        return HiSparseKV(cfg, self.layout, device, dtype, host_pool_gib=self.host_pool_gib,
+                          hot_buffer_tokens=self.hot_buffer(cfg), resident_window=self.window,
+                          sink_tokens=DEFAULT_SINKS, page_tokens=self.page_tokens)
+
+    # ---- sources ----
+    @staticmethod
+    def add_args(parser: argparse.ArgumentParser, names: Collection[str] | None = None) -> None:
+        """Add the flags of the fields in `names` (default: all) to `parser`; `from_args` reads them back."""
+        default = {f.name: f.default for f in fields(KVSettings)}
+        flags: dict[str, dict[str, Any]] = {
+            "offload": dict(choices=OFFLOADS, help="hisparse: latent rows in the host pool, hot working set on the "
+                                                   "device; none: all resident (default: %(default)s)"),
+            "layout": dict(choices=LAYOUTS, help="stored row format (default: %(default)s)"),
+            "host_pool_gib": dict(type=float, help="GiB of host memory for latent rows (default: %(default)s)"),
+            "hot_buffer_tokens": dict(type=int, help="hot slots per request (default: 2 x the model's index_topk)"),
+            "resident_window": dict(type=int, help="newest tokens kept on the device "
+                                                   f"(default: {DEFAULT_WINDOW})"),
+            "page_tokens": dict(type=int, help="tokens per page of the host pool (of the device store with "
+                                               "--kv-offload none) (default: %(default)s)"),
+        }
+        for name in default if names is None else names:
+            parser.add_argument(_flag(name), default=default[name], **flags[name])
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> KVSettings:
+        """The settings of the flags `add_args` added (a field without its flag keeps its default); a
+        KVSettingsError names the bad flag."""
+        values = {f.name: getattr(args, _key(f.name)) for f in fields(cls) if hasattr(args, _key(f.name))}
+        try:
+            return cls(**values)
+        except KVSettingsError as e:
+            raise KVSettingsError(f"{_flag(e.field)}: {e.problem}", e.field, e.problem) from None
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> KVSettings:
+        """The settings of vLLM's `kv_connector_extra_config` (host_pool_gib required, no unknown keys); a
+        KVSettingsError names the bad key. Checked in the API server before any engine starts, again in the
+        scheduler and in each worker, so a bad value fails startup once, with one message."""
+        extra = dict(extra or {})
+        field_of = {_key(f.name): f.name for f in fields(cls)}
+        unknown = sorted(set(extra) - set(field_of))
+        if unknown:
+            raise KVSettingsError(f"{EXTRA_CONFIG}: unknown key(s) {unknown}; HiSparseConnector accepts "
+                                  f"{sorted(field_of)}")
+        if "host_pool_gib" not in extra:
+            raise KVSettingsError(f"{EXTRA_CONFIG}: 'host_pool_gib' is required (GiB of host memory for latent "
+                                  "rows, e.g. {\"host_pool_gib\": 8})", "host_pool_gib", "is required")
+        try:
+            return cls(**{field_of[k]: v for k, v in extra.items()})
+        except KVSettingsError as e:
+            raise KVSettingsError(f"{EXTRA_CONFIG}: '{_key(e.field)}' {e.problem}", e.field, e.problem) from None

@@ -1,0 +1,1 @@
+"""Native CPU kernels of the host pool, compiled on first use (see gather_unpack.py)."""
