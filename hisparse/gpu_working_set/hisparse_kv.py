@@ -19,6 +19,7 @@ import torch
 from ..host_pool.pages import paged_rows
 from ..host_pool.pool import HostPool
 from ..model.config import ModelConfig
+from ..model.batch import segment_positions
 from ..model.geometry import row_layout
 from ..model.kv import LatentKV, RowSource
 from .arena import DeviceArena
@@ -79,10 +80,15 @@ class HiSparseKV(LatentKV):
             self.win_lo = torch.cat((self.win_lo, self.win_lo.new_zeros(grow)))
             self.win_len = torch.cat((self.win_len, self.win_len.new_zeros(grow)))
         self.step_slot = torch.tensor([self.slot_of[s.req] for s in segments], dtype=torch.long, device=self.device)
-        self.step_row0 = self.tables.start.new_zeros(len(segments))
+        # write() receives the step's rows in this flat order (segment by segment, positions ascending), so their
+        # step-region rows and host-pool rows are known here, on the host, without reading the device
+        positions, seg = segment_positions(list(segments))
+        lengths = torch.tensor([s.length for s in segments], dtype=torch.long)
+        self.step_row0 = (torch.cumsum(lengths, 0) - lengths).to(self.device)
+        self.step_host_rows = paged_rows(self.tables.host_pages, seg, positions, self.page_tokens)
         self.step += 1
         self.stats.steps += 1
-        self.step_rows = self.step_host_rows = self.located = None
+        self.step_rows = self.located = None
         self.plans.clear()
         self.fetched.clear()
 
@@ -111,11 +117,8 @@ class HiSparseKV(LatentKV):
         """This step's new rows of every request: into the arena's step region (read by this step's gathers and
         moved into the windows at end_step), and backed up to the host pool eagerly."""
         data = self.encode(rows).to(self.device)
-        if self.step_rows is None:    # the same rows every KV-owning layer: addressing once per step
+        if self.step_rows is None:    # the same rows every KV-owning layer
             self.step_rows = (seg, positions)
-            counts = torch.bincount(seg, minlength=self.step_row0.numel())
-            self.step_row0 = torch.cumsum(counts, 0) - counts
-            self.step_host_rows = paged_rows(self.tables.pages, seg, positions, self.page_tokens).cpu()
         a = self.arena
         a.data[a.step_base[layer]: a.step_base[layer] + data.shape[0]] = data
         view = self.pool.layer_view(layer)

@@ -38,14 +38,16 @@ class StepTables:
     end: torch.Tensor            # [S] start + length: the context each segment's rows can see
     pages: torch.Tensor          # [S, max_pages] page ids of the KV store's page table
     max_end: int                 # the longest context of the step (host int, bounds padded key scans)
+    host_pages: torch.Tensor     # the same page ids on the host, for host-side addressing (no device read)
 
     @classmethod
     def build(cls, segments: Sequence, pages: PageTable, device: torch.device) -> "StepTables":
         reqs = [s.req for s in segments]
         ends = [s.start + s.length for s in segments]
+        host_pages = pages.table(reqs)
         return cls(reqs, torch.tensor([s.start for s in segments], dtype=torch.long, device=device),
-                   torch.tensor(ends, dtype=torch.long, device=device), pages.table(reqs, device),
-                   max(ends, default=0))
+                   torch.tensor(ends, dtype=torch.long, device=device), host_pages.to(device),
+                   max(ends, default=0), host_pages)
 
 
 class PagedStore:

@@ -1,0 +1,141 @@
+"""Host synchronisations inside the decode layer loop, audited on the CPU.
+
+On an accelerator every op whose result size or value the host must read (`.item()`, `int(t)`, `.tolist()`,
+`nonzero`, `bincount`, `unique`, boolean-mask indexing, ...) stalls the stream. A CPU run cannot stall, so this
+test records those ops instead: a `TorchDispatchMode` sees the aten ops, patched `Tensor` methods see the host
+reads that bypass the dispatcher, and forward hooks on the layers keep only what runs inside the layer loop. The
+native CPU kernels are switched off so the torch code a GPU runs is the code audited. The remaining sites are
+listed below; a new one, or one whose count grows with the batch, fails the test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import traceback
+from collections import Counter
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import hisparse
+from hisparse.gpu_working_set import resolver
+from hisparse.gpu_working_set.hisparse_kv import HiSparseKV
+from hisparse.host_pool import layout as layout_mod
+from hisparse.model.batch import Segment
+from hisparse.model.config import preset_params
+from hisparse.model.kernels import indexer_topk
+from hisparse.model.kv import ResidentKV
+from hisparse.model.tiny import random_model
+
+SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive",
+            "equal", "is_nonzero", "bincount", "repeat_interleave", "allclose"}
+HOST_READS = ("tolist", "item", "numpy", "__int__", "__bool__", "__float__", "__index__")
+PACKAGE = os.path.dirname(hisparse.__file__) + os.sep
+
+# (file, function) -> why it reads the host. The MoE reads each expert's token count to slice its tokens (a
+# grouped GEMM over stacked experts removes it); the resolver reads the number of misses of an index group to
+# size their copies (once per group and step, whatever the batch).
+KNOWN = {
+    ResidentKV: {("model/moe.py", "forward")},
+    HiSparseKV: {("model/moe.py", "forward"), ("gpu_working_set/resolver.py", "resolve_torch")},
+}
+
+
+class SyncAudit(TorchDispatchMode):
+    """Counts sync-prone ops by their innermost hisparse frame, while `active`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.active = False
+        self.sites: Counter = Counter()
+
+    def record(self) -> None:
+        if not self.active:
+            return
+        f = [f for f in traceback.extract_stack() if f.filename.startswith(PACKAGE)][-1]
+        self.sites[(f.filename[len(PACKAGE):], f.name)] += 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name.split("::")[-1]
+        indices = args[1] if name.startswith("index") and len(args) > 1 and isinstance(args[1], (list, tuple)) \
+            else ()
+        if name in SYNC_OPS or any(isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in indices):
+            self.record()
+        return func(*args, **(kwargs or {}))
+
+    @contextlib.contextmanager
+    def host_reads(self) -> Iterator[None]:
+        saved = {n: getattr(torch.Tensor, n) for n in HOST_READS}
+
+        def wrap(fn):
+            def read(t, *a, **k):
+                self.record()
+                return fn(t, *a, **k)
+            return read
+        for n, fn in saved.items():
+            setattr(torch.Tensor, n, wrap(fn))
+        try:
+            yield
+        finally:
+            for n, fn in saved.items():
+                setattr(torch.Tensor, n, fn)
+
+
+@pytest.fixture
+def device_path(monkeypatch):
+    """The torch code an accelerator runs: no native CPU kernels."""
+    monkeypatch.setattr(resolver, "NATIVE", False)
+    monkeypatch.setattr(layout_mod, "NATIVE", False)
+    monkeypatch.setattr(indexer_topk, "available", lambda: False)
+
+
+def decode_step_syncs(model, kv_class, n: int) -> Counter:
+    cfg = model.cfg
+    kw = {"host_pool_gib": 0.01, "hot_buffer_tokens": 16, "resident_window": 8} if kv_class is HiSparseKV else {}
+    kv = kv_class(cfg, "fp8_ds_mla", **kw)
+    prompts = torch.randint(0, cfg.vocab_size, (n, 48))
+    audit = SyncAudit()
+    hooks = [h for layer in model.layers for h in (
+        layer.register_forward_pre_hook(lambda *_: setattr(audit, "active", True)),
+        layer.register_forward_hook(lambda *_: setattr(audit, "active", False)))]
+    try:
+        with torch.no_grad():
+            model(prompts.flatten(), [Segment(r, 0, 48) for r in range(n)], kv)
+            model(prompts[:, -1], [Segment(r, 48, 1) for r in range(n)], kv)   # warm: the hot slots fill
+            with audit, audit.host_reads():
+                model(prompts[:, -2], [Segment(r, 49, 1) for r in range(n)], kv)
+    finally:
+        for h in hooks:
+            h.remove()
+    return audit.sites
+
+
+@pytest.mark.parametrize("kv_class", [ResidentKV, HiSparseKV], ids=["resident", "hisparse"])
+def test_decode_layer_loop_syncs_are_known_and_do_not_grow_with_the_batch(device_path, kv_class):
+    p = preset_params("tiny")
+    p["index_topk"] = 32     # a selection smaller than the context: real misses and hits
+    model = random_model(p, seed=0)
+    one, many = decode_step_syncs(model, kv_class, 1), decode_step_syncs(model, kv_class, 8)
+    assert set(one) == set(many) == KNOWN[kv_class], "a host sync appeared in or left the decode layer loop"
+    assert one == many, "host syncs grow with the batch"
+
+
+def test_the_audit_sees_a_sync(device_path):
+    """The audit itself: a host read inside a layer is caught."""
+    model = random_model(preset_params("tiny"), seed=0)
+    layer = model.layers[1]
+    forward = layer.forward
+
+    def reading_forward(h, b, keep=None):
+        int(h[0, 0] > 0)
+        return forward(h, b, keep)
+    layer.forward = reading_forward
+    try:
+        sites = decode_step_syncs(model, ResidentKV, 2)
+    finally:
+        del layer.forward
+    assert sites[("model/ml4.py", "forward")] >= 1     # the innermost hisparse frame: the layer loop's call
+    assert ("model/ml4.py", "forward") not in decode_step_syncs(model, ResidentKV, 2)
