@@ -1,4 +1,4 @@
-"""HiSparse core benchmarks (issue 3). Each figure is a ratio measured in this one run; results -> JSON.
+"""HiSparse core benchmarks. Each figure is a ratio measured in this one run; results -> JSON.
 
 1. miss-gather throughput of 656-B rows (the copier's host -> device gather) / a plain memcpy of as many bytes
 2. decode step time, HiSparse / resident, one request at a long context (`small` preset)

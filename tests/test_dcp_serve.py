@@ -1,4 +1,4 @@
-"""`hisparse serve --dcp-size R` end to end (issue 8): real server processes (rank 0 + spawned followers, gloo)
+"""`hisparse serve --dcp-size R` end to end: real server processes (rank 0 + spawned followers, gloo)
 with HiSparse on and a hot buffer far below the context, driven by the official openai client.
 
 Greedy completions (64 tokens, concurrent, servers in fp64) equal the single-rank tokens, with and without DSpark;

@@ -1,4 +1,4 @@
-"""DSpark speculative decoding inside the serving engine (issue 5, phase 2): greedy with speculation == without
+"""DSpark speculative decoding inside the serving engine: greedy with speculation == without
 (HiSparse on, prompts several times the hot buffer, several requests, prefill chunks in the verify forwards),
 an oracle drafter gets every draft accepted and counted, stop conditions cut exactly where plain decoding stops,
 seeded sampling stays reproducible whatever the batch, batched drafting == per-request drafting, `hisparse serve

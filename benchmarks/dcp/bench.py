@@ -1,4 +1,4 @@
-"""DCP benchmark (issue 8): host-pool capacity in tokens and decode step time vs the DCP size R (`small` preset).
+"""DCP benchmark: host-pool capacity in tokens and decode step time vs the DCP size R (`small` preset).
 
 Every rank is a real process (gloo) with its own HiSparseKV host pool of --pool-gib. Capacity: for two seeded
 streams of requests (lengths uniform in [64, 4096] and in [4096, 65536]), every request that still fits is admitted

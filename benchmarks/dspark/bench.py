@@ -1,4 +1,4 @@
-"""DSpark speculative decoding benchmark (issue 5): tokens per target forward and decode tokens/s with vs without
+"""DSpark speculative decoding benchmark: tokens per target forward and decode tokens/s with vs without
 speculation, for an oracle drafter (proposes the target's own greedy tokens: the upper bound), the oracle with the
 real drafter run alongside (so drafting is paid for at full acceptance), and the checkpoint's drafter.
 

@@ -1,4 +1,4 @@
-"""A follower rank of a serving DCP group: replays rank 0's steps on its own shard of the KV (issue 8).
+"""A follower rank of a serving DCP group: replays rank 0's steps on its own shard of the KV.
 
 It owns a model replica, its ShardedKV (its own host pool and working set under HiSparse) and, with speculative
 decoding, its own DSpark draft window cache, kept identical to rank 0's by the same observe / rollback / release

@@ -1,4 +1,4 @@
-"""Rank 0 of a serving DCP group: the engine whose every forward the followers replay (issue 8).
+"""Rank 0 of a serving DCP group: the engine whose every forward the followers replay.
 
 `DCPEngine` is the ordinary engine with three hooks: its runner broadcasts each step before running it, its
 speculator records every rollback and draft-window update, and every finished request records its release

@@ -1,4 +1,4 @@
-"""What rank 0 of a serving DCP group sends its followers, and what every rank reports back (issue 8).
+"""What rank 0 of a serving DCP group sends its followers, and what every rank reports back.
 
 Only rank 0 schedules, drafts and samples. Before each forward it broadcasts a `StepMessage`: the state changes
 since the last message that the followers must mirror (`Op`s: a finished request's release, a speculative

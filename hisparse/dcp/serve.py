@@ -1,5 +1,5 @@
 """`hisparse serve --dcp-size R`: the serve process is rank 0 (scheduler, HTTP server, sampling) and starts R-1
-follower rank processes that replay its steps on their own shards (issue 8).
+follower rank processes that replay its steps on their own shards.
 
 Each follower loads the same checkpoint and builds its own KV store from the same KVSettings (its own host pool
 of --host-pool-gib), marks itself ready, and joins the group (gloo on CPU, NCCL on CUDA; a file store in a private
