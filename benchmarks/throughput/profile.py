@@ -37,6 +37,8 @@ from hisparse.engine.scheduler import SchedulerConfig
 from hisparse.model.config import preset_params
 from hisparse.model.tiny import random_model
 
+from .run import pyplot
+
 AREAS = ("working set", "row codec", "indexer", "attention", "model", "engine", "other")
 
 
@@ -126,13 +128,9 @@ def main() -> None:
 
 def plot(runs: list[tuple[str, dict]], path: Path) -> None:
     """Stacked bars: each run's decode step time split by area."""
-    try:
-        import matplotlib
-    except ImportError:
-        print("matplotlib missing (the bench extra): no PNG written")
+    plt = pyplot()
+    if plt is None:
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 4))
     labels = [f"{name}\n{r['step_ms']:.0f} ms/step" for name, r in runs]
     bottom = [0.0] * len(runs)

@@ -174,14 +174,22 @@ def summarize(result: dict) -> dict:
     return result
 
 
-def plot(result: dict, path: Path) -> None:
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or None (with a one-line note) without the bench extra."""
     try:
         import matplotlib
     except ImportError:
         print("matplotlib missing (the bench extra: pip install -e '.[bench]'): no PNG written")
-        return
+        return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    return plt
+
+
+def plot(result: dict, path: Path) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
     fig, ax = plt.subplots(figsize=(6, 4))
     labels = {"none": f"none (max {result['max_concurrent']['none']} on device)",
               "hisparse": f"hisparse (max {result['max_concurrent']['hisparse']} on device)",
