@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -10,6 +11,8 @@ import numpy as np
 import torch
 
 from .engine.kv_settings import KVSettings, KVSettingsError
+
+API_KEY_ENV = "HISPARSE_API_KEY"   # `hisparse serve`'s API key when --api-key is not given (as vLLM's VLLM_API_KEY)
 
 
 def _ids(text: str, vocab_size: int) -> list[int]:
@@ -141,13 +144,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)")
     p.add_argument("--model", default=None, help="checkpoint dir (default: the built-in tiny checkpoint)")
     p.add_argument("--served-model-name", default=None, help="model name clients use (default: the dir name)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="prompt + max_tokens limit per request (default: what the model and KV cache allow)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests decoding at once")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per forward step")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                   help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV}, which keeps "
+                        "the key out of the process list)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, the JSON vllm serve takes: {"method": "dspark", '
                         '"num_speculative_tokens": 3, "draft_sample_method": "greedy"|"probabilistic"} '

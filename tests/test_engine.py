@@ -242,6 +242,44 @@ def test_stop_conditions(seed: int, tok) -> None:
     assert texts["length"] == tok.decode(words[:2]) and reqs["length"].finish_reason == "length"
 
 
+def test_a_request_whose_detokenising_fails_fails_alone(seed: int, tok) -> None:
+    """An error in one request's own output handling (here its text stream) ends that request with 'error'; the
+    requests decoding beside it in the same steps finish normally, with their reference tokens."""
+    model = tiny_model(seed, dtype=torch.float32, sharp=False, vocab_size=tok.n_words)
+    kv = ResidentKV(model.cfg, "fp8_ds_mla")
+    engine = Engine(model, kv, SchedulerConfig(max_model_len=256), eos_id=tok.eos_id, decode=tok.decode)
+    prompts = random_prompts(3, 5, 20, model.cfg.vocab_size, seed + 3)
+    finals: dict[str, object] = {}
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    reqs = [engine.add_request(p, params, f"r{i}", lambda o: finals.__setitem__(o.request_id, o) if o.finished
+                               else None) for i, p in enumerate(prompts)]
+    engine.step()   # admitted: each request has its text stream now
+
+    def broken(tokens: list[int]) -> str:
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+    engine.streams["r1"].push = broken
+    while engine.has_work() or not engine.inbox.empty():
+        engine.step()
+    assert finals["r1"].finish_reason == "error" and "injected" in finals["r1"].error
+    for i in (0, 2):
+        ref = greedy_generate(model, ResidentKV(model.cfg, "fp8_ds_mla"), prompts[i], 6)
+        assert reqs[i].output == ref.tokens and finals[f"r{i}"].finish_reason == "length"
+    assert_clean(kv)
+
+
+def test_sampling_vanishing_top_p_and_temperature_are_greedy(seed: int) -> None:
+    """top_p and temperature that round to 0 in fp32 (1e-50, 1e-39) sample the argmax, never an empty set."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = 64
+    logits = torch.randn(4, vocab, generator=g) * 3
+    ps = [SamplingParams(top_p=1e-50), SamplingParams(temperature=1e-39), SamplingParams(temperature=1e-6),
+          SamplingParams(top_k=2**70)]
+    reqs = [Request(str(i), [0], p) for i, p in enumerate(ps)]
+    out = sample(logits, SamplingBatch.from_requests(reqs, vocab, torch.device("cpu")))
+    assert out[:3].tolist() == logits[:3].argmax(-1).tolist()
+    assert 0 <= int(out[3]) < vocab
+
+
 def test_text_stream_utf8_and_stop_holdback(tok) -> None:
     text = "caf\u00e9 \u4e2d\u6587 \U0001f600 end of the story, and more"
     ids = tok.encode(text, bos=False, eos=False)

@@ -306,6 +306,16 @@ def bad_requests(name: str) -> list[tuple[str, object, int, str]]:
         (H, {**h, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
         (H, {**h, "response_format": {"type": "json_object"}}, 400, "response_format"),
         (H, {**h, "model": "nope"}, 404, "model"),
+        # strict types, as OpenAI answers them: no coercion from strings or numbers
+        (C, {**c, "stream": "yes"}, 400, "stream"), (C, {**c, "max_tokens": "16"}, 400, "max_tokens"),
+        (C, {**c, "max_tokens": 16.0}, 400, "max_tokens"), (C, {**c, "ignore_eos": 1}, 400, "ignore_eos"),
+        (C, {**c, "temperature": "0.5"}, 400, "temperature"), (C, {**c, "stop_token_ids": ["2"]}, 400, "stop_token_ids"),
+        (C, {**c, "seed": -1}, 400, "seed"), (C, {**c, "seed": 2**64}, 400, "seed"),
+        # tool_choice must name a tool that exists
+        (H, {**h, "tool_choice": "required"}, 400, "~needs at least one tool"),
+        (H, {**h, "tool_choice": {"type": "function", "function": {"name": "f"}}}, 400, "~not in tools"),
+        (H, {**h, "tools": [{"type": "function", "function": {"name": "g"}}],
+             "tool_choice": {"type": "function", "function": {"name": "f"}}}, 400, "~not in tools"),
     ]
 
 
@@ -338,6 +348,60 @@ def test_malformed_requests_get_openai_errors(server: Server) -> None:
     r = server.client().completions.create(model=server.name, prompt="still alive?", max_tokens=3, temperature=0)
     assert r.usage.completion_tokens == 3
     server.wait_idle()
+
+
+def test_extreme_sampling_values_fail_nobody(server: Server, tok, reference) -> None:
+    """top_k beyond the vocabulary (even beyond int64), seed 2**64 - 1, and top_p / temperature that round to 0 in
+    fp32, sent while greedy requests run: every request answers 200, the greedy ones equal their reference, and
+    the vanishing top_p / temperature give the greedy tokens (not an empty distribution's token 0)."""
+    ps = prompts(6, 77)
+    text_tok = tok.instruct_tokenizer.tokenizer
+    refs = [text_tok.decode(reference(p, 6)) for p in ps]
+    odd = [{"top_k": 2**63}, {"top_k": 10**30, "seed": 2**64 - 1}, {"top_p": 1e-50}, {"temperature": 1e-39},
+           {"temperature": 1e-39, "top_p": 1e-50, "top_k": 2**63}]
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120, headers=auth()) as http:
+            async def one(prompt: list[int], extra: dict) -> httpx.Response:
+                return await http.post(f"{server.url}/v1/completions", json={
+                    "model": server.name, "prompt": prompt, "max_tokens": 6, "temperature": 0, **extra})
+            greedy = [one(p, {}) for p in ps]
+            extreme = [one(ps[i % len(ps)], extra) for i, extra in enumerate(odd)]
+            return await asyncio.gather(*greedy, *extreme)
+
+    out = asyncio.run(main())
+    assert [r.status_code for r in out] == [200] * len(out), [r.text for r in out if r.status_code != 200]
+    texts = [r.json()["choices"][0]["text"] for r in out]
+    assert texts[:len(ps)] == refs
+    assert texts[len(ps) + 2:] == refs[2:len(odd)]            # vanishing top_p / temperature: the argmax
+    assert "hisparse_request_success_total" in httpx.get(f"{server.url}/metrics").text
+    server.wait_idle()
+
+
+def test_health_answers_head(server: Server) -> None:
+    assert httpx.head(f"{server.url}/health").status_code == 200
+
+
+def test_api_key_from_the_environment_and_a_warning_off_loopback(tmp_path: Path) -> None:
+    """$HISPARSE_API_KEY protects /v1 without --api-key; a non-loopback address without a key warns."""
+    port, log = free_port(), tmp_path / "env.log"
+    cmd = [sys.executable, "-m", "hisparse.cli", "serve", "--port", str(port), "--device", "cpu",
+           "--log-level", "warning", "--max-model-len", "256", "--host-pool-gib", "0.05"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HISPARSE_API_KEY="from-env")
+    url = f"http://127.0.0.1:{port}"
+    with running(cmd, log, env) as proc:
+        wait_healthy(proc, url, log)
+        body = {"model": "x", "prompt": "hi", "max_tokens": 1}
+        assert httpx.post(f"{url}/v1/completions", json=body).status_code == 401
+        ok = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer from-env"})
+        assert ok.status_code == 200
+    assert "WARNING" not in log.read_text() and "from-env" not in " ".join(cmd)
+    port, log = free_port(), tmp_path / "open.log"
+    env.pop("HISPARSE_API_KEY")
+    cmd[cmd.index("--port") + 1] = str(port)
+    with running(cmd + ["--host", "0.0.0.0"], log, env) as proc:
+        wait_healthy(proc, f"http://127.0.0.1:{port}", log)
+    assert "WARNING: listening on 0.0.0.0 without an API key" in log.read_text()
 
 
 def test_metrics_move_during_long_context_request(server: Server) -> None:

@@ -177,7 +177,11 @@ class Engine:
             now = time.monotonic()
             for o in result.ok:
                 if o.index in emitted:
-                    self._append(o.req, emitted[o.index], now, stats)
+                    try:
+                        self._append(o.req, emitted[o.index], now, stats)
+                    except Exception as e:   # noqa: BLE001 - its detokenising or stop handling: this request only
+                        log.exception("request %s failed", o.req.id)
+                        self._finish(o.req, "error", error=f"{type(e).__name__}: {e}")
         stats.finished, self._finished = self._finished, []
         stats.num_running, stats.num_waiting = len(self.scheduler.running), len(self.scheduler.waiting)
         stats.kv_stats, stats.kv_usage = self.kv.stats.snapshot(), self.kv.usage_ratio()

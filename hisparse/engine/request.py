@@ -41,6 +41,8 @@ class SamplingParams:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if self.top_k < -1:
             raise RequestError(f"top_k must be -1 (off), 0 (off) or positive, got {self.top_k}", "top_k")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise RequestError(f"seed must be in [0, 2**64), got {self.seed}", "seed")
         if any(not s for s in self.stop):
             raise RequestError("stop: stop strings must be non-empty", "stop")
         for name in ("stop_token_ids", "forced_token_ids"):

@@ -13,12 +13,16 @@ import torch
 
 from .request import Request
 
+# Temperatures below this sample greedily: 1 / t would overflow fp32 logits (1e-39 is a denormal), and the
+# distribution is a point mass on the argmax anyway. vLLM uses the same threshold.
+GREEDY_BELOW = 1e-5
+
 
 @dataclass
 class SamplingBatch:
     """Per-row settings of one step's sampled rows (B rows)."""
     temperature: torch.Tensor            # [B] fp32, 0 = greedy
-    top_k: torch.Tensor                  # [B] long, V when off
+    top_k: torch.Tensor                  # [B] long in [1, V], V when off
     top_p: torch.Tensor                  # [B] fp32, 1 = off
     forced: torch.Tensor                 # [B] long, -1 = sample (debug hook otherwise)
     generators: list[torch.Generator | None]
@@ -29,21 +33,24 @@ class SamplingBatch:
         forced = [p.forced_token_ids[len(r.output)] if len(r.output) < len(p.forced_token_ids) else -1
                   for r, p in zip(reqs, ps)]
         return cls(
-            temperature=torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=device),
-            top_k=torch.tensor([p.top_k if p.top_k > 0 else vocab for p in ps], dtype=torch.long, device=device),
+            temperature=torch.tensor([p.temperature if p.temperature >= GREEDY_BELOW else 0.0 for p in ps],
+                                     dtype=torch.float32, device=device),
+            top_k=torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in ps], dtype=torch.long,
+                               device=device),
             top_p=torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=device),
             forced=torch.tensor(forced, dtype=torch.long, device=device),
             generators=[r.generator for r in reqs])
 
 
 def filter_top_k_top_p(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Set to -inf every logit outside each row's top-k and top-p nucleus. z [B, V] -> [B, V]."""
+    """Set to -inf every logit outside each row's top-k and top-p nucleus (the top token always stays, also when
+    top_p rounds to 0 in fp32). z [B, V] -> [B, V]."""
     sz, idx = z.sort(dim=-1, descending=True)                                    # [B, V]
     rank = torch.arange(z.shape[-1], device=z.device)
     sz = sz.masked_fill(rank[None] >= top_k[:, None], float("-inf"))
     probs = sz.softmax(-1)
     before = probs.cumsum(-1) - probs                                            # mass ranked above each token
-    sz = sz.masked_fill(before >= top_p[:, None], float("-inf"))                 # the top token always stays
+    sz = sz.masked_fill((before >= top_p[:, None]) & (rank[None] > 0), float("-inf"))
     return torch.full_like(z, float("-inf")).scatter(-1, idx, sz)
 
 

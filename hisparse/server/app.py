@@ -177,7 +177,7 @@ def build_app(engine: Engine, tokenizer: MistralTokenizer, cfg: ServerConfig) ->
         return APIError(500, f"generation failed: {out.error}", code="internal_error", kind="server_error")
 
     # ---- routes ----
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         if engine.fatal is not None:    # the DCP group broke: the server is shutting down
             raise APIError(503, f"engine stopped: {engine.fatal}", code="engine_stopped", kind="server_error")

@@ -15,7 +15,8 @@ from ..engine.request import SamplingParams
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """No unknown fields and no type coercion ("16" is not an integer, "yes" not a boolean), as OpenAI answers."""
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(Strict):
@@ -30,7 +31,7 @@ class SamplingFields(Strict):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=-1, ge=-1)
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    seed: int | None = Field(default=None, ge=0, lt=2**64)
     stop: str | list[str] | None = Field(default=None, validate_default=True)   # -> list[str]
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
@@ -161,6 +162,17 @@ class ChatRequest(SamplingFields):
     logprobs: Literal[False] | None = None
     top_logprobs: None = None
     response_format: ResponseFormat | None = None
+
+    @model_validator(mode="after")
+    def _tool_choice(self):
+        names = {t.function.name for t in self.tools or ()}
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice: names the function {choice.function.name!r}, which is not in tools "
+                             f"({sorted(names)})")
+        if choice in ("required", "any") and not names:
+            raise ValueError(f"tool_choice: {choice!r} needs at least one tool in tools")
+        return self
 
 
 # ---- responses ----

@@ -7,8 +7,10 @@ followers are killed and `serve` exits non-zero naming the failed rank."""
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -29,6 +31,16 @@ from ..model.ml4 import ML4
 from ..model.tokenizer import load_tokenizer
 from ..model.weights import load_model
 from .app import ServerConfig, build_app
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address or a name) only accepts connections from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:     # another host name: it may resolve to any interface
+        return False
 
 
 def capacity_lines(kv: LatentKV, offload: str, max_model_len: int) -> list[str]:
@@ -146,6 +158,9 @@ def _serve(args: argparse.Namespace, model_dir: Path, dtype: torch.dtype, kv_set
         engine.diagnose = followers.diagnose if followers is not None else None
     for line in lines + (speculative_lines(speculative, model) if speculative else []):
         print(line, flush=True)
+    if not args.api_key and not is_loopback(args.host):
+        print(f"WARNING: listening on {args.host} without an API key: anyone who can reach this port can use the "
+              "server (set --api-key or $HISPARSE_API_KEY)", file=sys.stderr, flush=True)
     print(f"Serving model '{name}' ({str(model.dtype).removeprefix('torch.')} on {model.device}) from {model_dir} "
           f"at http://{args.host}:{args.port}/v1 (Ctrl-C to stop)", flush=True)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
