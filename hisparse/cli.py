@@ -153,6 +153,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                    help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV}, which keeps "
                         "the key out of the process list)")
+    p.add_argument("--max-request-bytes", type=int, default=None,
+                   help="largest request body accepted, else 413 (default: 1 MiB + 16 B per --max-model-len token)")
+    p.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a client has to send a request body, else 408 (default: %(default)s)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT: seconds in-flight requests get to finish before they end with an "
+                        "error and the server exits (default: %(default)s)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, the JSON vllm serve takes: {"method": "dspark", '
                         '"num_speculative_tokens": 3, "draft_sample_method": "greedy"|"probabilistic"} '

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
+import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -402,6 +404,72 @@ def test_api_key_from_the_environment_and_a_warning_off_loopback(tmp_path: Path)
     with running(cmd + ["--host", "0.0.0.0"], log, env) as proc:
         wait_healthy(proc, f"http://127.0.0.1:{port}", log)
     assert "WARNING: listening on 0.0.0.0 without an API key" in log.read_text()
+
+
+def test_big_bodies_are_refused_without_blocking_the_server(server: Server) -> None:
+    """A 50 MB body gets 413 at once (from its Content-Length; sent chunked, once the limit is passed), /health
+    answers meanwhile, and a prompt that alone exceeds the context names `prompt` (`messages` for chat)."""
+    big = {"model": server.name, "prompt": "word " * 10_000_000, "max_tokens": 1}
+    with httpx.Client(timeout=60, headers=auth()) as http:
+        t0 = time.monotonic()
+        r = http.post(f"{server.url}/v1/completions", json=big)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+        assert time.monotonic() - t0 < 10
+        chunks = (b'{"model": "x", "prompt": "' + b"w" * 65536 for _ in range(40))
+        r = http.post(f"{server.url}/v1/completions", content=chunks, headers={"content-type": "application/json"})
+        assert r.status_code == 413, r.text
+        assert http.get(f"{server.url}/health").status_code == 200
+        long_text = " ".join(f"w{i}" for i in range(3000))
+        r = http.post(f"{server.url}/v1/completions", json={"model": server.name, "prompt": long_text, "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        r = http.post(f"{server.url}/v1/chat/completions", json={
+            "model": server.name, "messages": [{"role": "user", "content": long_text}], "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    server.wait_idle()
+
+
+def test_slow_bodies_time_out_and_shutdown_is_bounded(tmp_path: Path) -> None:
+    """A client that sends 1 of 1,000 body bytes gets 408 after --body-timeout; on SIGTERM a stream in flight
+    ends with a 'server shutting down' error event after --shutdown-timeout, a half-sent request holds nothing,
+    and the server exits 0."""
+    port, log = free_port(), tmp_path / "shutdown.log"
+    cmd = [sys.executable, "-m", "hisparse.cli", "serve", "--port", str(port), "--device", "cpu", "--log-level",
+           "warning", "--max-model-len", str(MAX_MODEL_LEN), "--host-pool-gib", "0.05", "--body-timeout", "1",
+           "--shutdown-timeout", "2"]
+    url = f"http://127.0.0.1:{port}"
+
+    def raw(request: bytes) -> socket.socket:
+        sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+        sock.sendall(request)
+        return sock
+
+    with running(cmd, log, dict(os.environ, OMP_NUM_THREADS="1")) as proc:
+        wait_healthy(proc, url, log)
+        slow = raw(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   b"Content-Length: 1000\r\n\r\n{")
+        t0 = time.monotonic()
+        reply = ""
+        while "request_timeout" not in reply and (chunk := slow.recv(4096)):
+            reply += chunk.decode()
+        assert reply.startswith("HTTP/1.1 408") and "request_timeout" in reply and time.monotonic() - t0 < 10
+        silent = raw(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")      # headers never finished
+        events: list[str] = []
+        body = {"model": "x", "prompt": "count", "max_tokens": MAX_MODEL_LEN - 10, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "model": builtin_tiny().name},
+                          timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                if len(events) == 3:
+                    proc.send_signal(signal.SIGTERM)
+                    t0 = time.monotonic()
+        assert proc.wait(timeout=30) == 0
+        assert time.monotonic() - t0 < 2 + 10
+        silent.close()
+    errors = [json.loads(e)["error"] for e in events if e.startswith('{"error"')]
+    assert errors and "server shutting down" in errors[0]["message"], events[-3:]
+    assert events[-1] == "[DONE]"
 
 
 def test_metrics_move_during_long_context_request(server: Server) -> None:

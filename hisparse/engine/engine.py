@@ -123,6 +123,10 @@ class Engine:
         """Cancel a request; its pages and slots are freed at the start of the next step."""
         self.inbox.put(("abort", request_id))
 
+    def fail_all(self, message: str) -> None:
+        """End every request submitted so far with finish reason 'error' and `message` (a bounded shutdown)."""
+        self.inbox.put(("fail_all", message))
+
     # ---- the loop (engine thread) ----
     def has_work(self) -> bool:
         return bool(self.scheduler.running or self.scheduler.waiting)
@@ -142,6 +146,9 @@ class Engine:
                 self.scheduler.add(arg)
             elif kind == "abort" and arg in self.requests:
                 self._finish(self.requests[arg], "abort")
+            elif kind == "fail_all":
+                for req in list(self.requests.values()):
+                    self._finish(req, "error", error=arg)
 
     def step(self) -> StepStats:
         """Admit, draft (speculative decoding), run one forward, accept or sample, and deliver outputs."""

@@ -46,6 +46,11 @@ class Scheduler:
     def check(self, req: Request) -> None:
         """Reject a request that can never run (too long for the model or for the whole KV store)."""
         n, p = req.max_len, len(req.prompt)
+        if p >= self.cfg.max_model_len:
+            raise RequestError(
+                f"This model's maximum context length is {self.cfg.max_model_len} tokens. However, the prompt alone "
+                f"has {p} tokens, which leaves no room for a completion. Please reduce the length of the prompt.",
+                "prompt")
         if n > self.cfg.max_model_len:
             raise RequestError(
                 f"This model's maximum context length is {self.cfg.max_model_len} tokens. However, you requested "

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import secrets
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager, suppress
@@ -14,17 +13,18 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..engine.engine import Engine
 from ..engine.request import RequestError, RequestOutput
 from .chat import ChatEncoder
 from .engine_client import AsyncEngine
+from .errors import APIError, error_body, error_response, validation_error
 from .metrics import Metrics
+from .middleware import ApiKeyAuth, BodyGuard
 from .output_parser import MarkerIds, OutputParser, ParsedDelta
 from .protocol import ChatRequest, CompletionRequest, SamplingFields, Usage, now
 
@@ -41,53 +41,14 @@ class ServerConfig:
     max_model_len: int
     api_key: str | None = None
     debug_hooks: bool = False   # accept `debug_forced_token_ids` (tests of the output parsers)
+    max_request_bytes: int | None = None   # request body limit; None: sized from max_model_len
+    body_timeout_s: float = 30.0           # a request body must arrive within this
 
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
-
-
-def error_body(message: str, kind: str, param: str | None, code: str | None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-def error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(error_body(e.message, e.kind, e.param, e.code), status_code=e.status)
-
-
-def validation_error(e: RequestValidationError) -> APIError:
-    """FastAPI's body validation errors -> one 400 whose message and param name the first bad field."""
-    parts, param = [], None
-    for err in e.errors():
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        where = ".".join(loc)
-        if err.get("type") == "json_invalid":
-            parts.append(f"invalid JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}")
-            continue
-        param = param or where or None
-        parts.append(f"{where}: {err.get('msg')}" if where else f"body: {err.get('msg')}")
-    return APIError(400, "; ".join(parts) or "invalid request", param)
-
-
-class ApiKeyAuth:
-    """ASGI middleware: /v1 routes need `Authorization: Bearer <key>`. Plain ASGI rather than @app.middleware:
-    Starlette's BaseHTTPMiddleware wraps `receive` so that a handler never sees its client disconnect (`collect`)."""
-
-    def __init__(self, app: ASGIApp, api_key: str):
-        self.app, self.key = app, api_key.encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-            token = header[7:] if header.lower().startswith("bearer ") else ""
-            if not secrets.compare_digest(token.encode(), self.key):
-                reply = error_response(APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
-                                                code="invalid_api_key", kind="authentication_error"))
-                return await reply(scope, receive, send)
-        await self.app(scope, receive, send)
+    @property
+    def body_limit(self) -> int:
+        """The request body limit: 1 MiB plus 16 bytes per token of max_model_len (a JSON token-id list takes
+        at most ~8 bytes per token, text a few bytes per token)."""
+        return self.max_request_bytes if self.max_request_bytes is not None else (1 << 20) + 16 * self.max_model_len
 
 
 async def collect(request: Request, outputs: AsyncIterator[RequestOutput], each: Callable[[RequestOutput], None]
@@ -140,7 +101,8 @@ def build_app(engine: Engine, tokenizer: MistralTokenizer, cfg: ServerConfig) ->
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, e: RequestError):
-        return error_response(APIError(e.status, str(e), e.field))
+        chat = request.url.path.endswith("/chat/completions")
+        return error_response(APIError(e.status, str(e), "messages" if chat and e.field == "prompt" else e.field))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, e: RequestValidationError):
@@ -156,7 +118,8 @@ def build_app(engine: Engine, tokenizer: MistralTokenizer, cfg: ServerConfig) ->
         return error_response(APIError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error",
                                        kind="server_error"))
 
-    if cfg.api_key:
+    app.add_middleware(BodyGuard, max_bytes=cfg.body_limit, timeout_s=cfg.body_timeout_s)
+    if cfg.api_key:    # added last: the outer layer, so an unauthenticated body is never read
         app.add_middleware(ApiKeyAuth, api_key=cfg.api_key)
 
     # ---- helpers ----
@@ -195,7 +158,8 @@ def build_app(engine: Engine, tokenizer: MistralTokenizer, cfg: ServerConfig) ->
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         check_common(req)
-        prompt = text_tok.encode(req.prompt, bos=True, eos=False) if isinstance(req.prompt, str) else req.prompt
+        prompt = await asyncio.to_thread(text_tok.encode, req.prompt, True, False) if isinstance(req.prompt, str) \
+            else req.prompt      # tokenising a long prompt must not block the event loop
         rid, outputs = submit(prompt, req, req.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS, "cmpl")
         created = now()
 
@@ -230,7 +194,7 @@ def build_app(engine: Engine, tokenizer: MistralTokenizer, cfg: ServerConfig) ->
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
         check_common(req)
-        prompt = chat_encoder.encode(req)
+        prompt = await asyncio.to_thread(chat_encoder.encode, req)
         max_tokens = req.max_completion_tokens or req.max_tokens or \
             max(1, min(CHAT_DEFAULT_MAX_TOKENS, cfg.max_model_len - len(prompt)))
         rid, outputs = submit(prompt, req, max_tokens, "chatcmpl")

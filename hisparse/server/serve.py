@@ -10,10 +10,14 @@ import argparse
 import ipaddress
 import logging
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
+from types import FrameType
 
 import torch
+import uvicorn
 
 from ..dcp.context import DCPContext
 from ..dcp.group import DCPError, DCPGroup
@@ -31,6 +35,31 @@ from ..model.ml4 import ML4
 from ..model.tokenizer import load_tokenizer
 from ..model.weights import load_model
 from .app import ServerConfig, build_app
+
+
+FINAL_EVENTS_S = 5.0   # after the drain: time for the failed requests' last events to reach their clients
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server with a bounded graceful shutdown. At the first SIGTERM/SIGINT uvicorn stops accepting
+    connections; requests in flight get `drain_s` seconds to finish, then every one still running ends with a
+    'server shutting down' error (an error event on a stream), its response completes and the server exits. A
+    SIGTERM that shut the server down this way exits 0."""
+
+    def __init__(self, config: uvicorn.Config, engine: Engine, drain_s: float):
+        super().__init__(config)
+        self.engine, self.drain_s = engine, drain_s
+        self.drain: threading.Timer | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        if sig == signal.SIGTERM:   # handled here: not re-raised after the shutdown (that would exit 143)
+            self._captured_signals.remove(sig)
+        if self.drain is None:
+            self.drain = threading.Timer(self.drain_s, self.engine.fail_all,
+                                         (f"server shutting down (--shutdown-timeout {self.drain_s:g} s)",))
+            self.drain.daemon = True
+            self.drain.start()
 
 
 def is_loopback(host: str) -> bool:
@@ -122,7 +151,6 @@ def _serve(args: argparse.Namespace, model_dir: Path, dtype: torch.dtype, kv_set
            speculative: SpeculativeConfig | None, dcp: DCPServeConfig | None,
            followers: FollowerRanks | None) -> Engine | None:
     """Load, build and run until the HTTP server stops; the engine (None on a torchrun follower rank)."""
-    import uvicorn
     group = None
     if dcp is not None and followers is None:     # torchrun: join first (this also picks the rank's GPU)
         group = DCPGroup.from_env(timeout_s=dcp.timeout_s)
@@ -150,7 +178,8 @@ def _serve(args: argparse.Namespace, model_dir: Path, dtype: torch.dtype, kv_set
     engine = build_engine(model, kv, tokenizer, max_model_len, args.max_num_seqs, args.max_num_batched_tokens,
                           speculative)
     name = args.served_model_name or model_dir.name
-    app = build_app(engine, tokenizer, ServerConfig(name, max_model_len, args.api_key, args.debug_hooks))
+    app = build_app(engine, tokenizer, ServerConfig(name, max_model_len, args.api_key, args.debug_hooks,
+                                                    args.max_request_bytes, args.body_timeout))
     lines = capacity_lines(kv, kv_settings.offload, max_model_len)
     if dcp is not None:
         engine.leader.gather()                   # the start-up exchange: every rank's pool
@@ -163,9 +192,10 @@ def _serve(args: argparse.Namespace, model_dir: Path, dtype: torch.dtype, kv_set
               "server (set --api-key or $HISPARSE_API_KEY)", file=sys.stderr, flush=True)
     print(f"Serving model '{name}' ({str(model.dtype).removeprefix('torch.')} on {model.device}) from {model_dir} "
           f"at http://{args.host}:{args.port}/v1 (Ctrl-C to stop)", flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            access_log=False,
-                                           timeout_graceful_shutdown=None if dcp is None else dcp.timeout_s))
+                                           timeout_graceful_shutdown=args.shutdown_timeout + FINAL_EVENTS_S),
+                            engine, args.shutdown_timeout)
     engine.on_fatal = lambda err: setattr(server, "should_exit", True)
     server.run()
     return engine

@@ -1,0 +1,37 @@
+"""OpenAI-shaped errors: {"error": {"message", "type", "param", "code"}} with the HTTP status to answer."""
+
+from __future__ import annotations
+
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+
+class APIError(Exception):
+    """An error answered to the client: `status`, and the OpenAI error fields."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+
+def error_body(message: str, kind: str, param: str | None, code: str | None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(error_body(e.message, e.kind, e.param, e.code), status_code=e.status)
+
+
+def validation_error(e: RequestValidationError) -> APIError:
+    """FastAPI's body validation errors -> one 400 whose message and param name the first bad field."""
+    parts, param = [], None
+    for err in e.errors():
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        where = ".".join(loc)
+        if err.get("type") == "json_invalid":
+            parts.append(f"invalid JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}")
+            continue
+        param = param or where or None
+        parts.append(f"{where}: {err.get('msg')}" if where else f"body: {err.get('msg')}")
+    return APIError(400, "; ".join(parts) or "invalid request", param)
