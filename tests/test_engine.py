@@ -79,6 +79,55 @@ def test_continuous_batching_equals_one_at_a_time(seed: int) -> None:
     assert_clean(kv)
 
 
+@pytest.mark.parametrize("offload", ["hisparse", "none"])
+def test_admission_by_need_preempts_the_newest_and_recomputes_exactly(seed: int, offload: str) -> None:
+    """Three requests whose max lengths need 9 pages share a 4-page store: all three start at once (each holds only
+    what it has written), the store fills, the newest running request is preempted and later recomputes its
+    prompt and outputs; every request still gets its lone greedy tokens and everything is freed at the end."""
+    model = tiny_model(seed)
+    prompts = random_prompts(3, 30, 50, model.cfg.vocab_size, seed + 4)
+    pages = 4
+    if offload == "hisparse":
+        kv = KVSettings(host_pool_gib=pool_gib(model.cfg, pages), hot_buffer_tokens=16,
+                        resident_window=8).build(model.cfg, dtype=torch.float64)
+    else:
+        kv = ResidentKV(model.cfg, "fp8_ds_mla", dtype=torch.float64, budget_tokens=pages * 64)
+    engine = Engine(model, kv, SchedulerConfig(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64))
+    params = SamplingParams(max_tokens=140, temperature=0.0)
+    reqs = [engine.add_request(p, params) for p in prompts]
+    most_running = 0
+    while engine.has_work() or not engine.inbox.empty():
+        st = engine.step()
+        most_running = max(most_running, st.num_running)
+        assert sum(kv.reserved.values()) <= kv.token_capacity()
+    assert most_running == 3 and engine.scheduler.num_preemptions > 0
+    for p, r in zip(prompts, reqs):
+        ref = greedy_generate(model, ResidentKV(model.cfg, "fp8_ds_mla", dtype=torch.float64), p, 140)
+        assert r.output == ref.tokens and r.finish_reason == "length"
+    assert_clean(kv)
+
+
+def test_a_short_request_is_not_held_behind_a_long_max_tokens(seed: int) -> None:
+    """A request asking for nearly the whole store does not hold it: a short request submitted while it decodes
+    finishes long before it does."""
+    model = tiny_model(seed)
+    kv = KVSettings(host_pool_gib=pool_gib(model.cfg, 4)).build(model.cfg, dtype=torch.float64)
+    engine = Engine(model, kv, SchedulerConfig(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64))
+    long = engine.add_request([5] * 20, SamplingParams(max_tokens=230, temperature=0.0, ignore_eos=True))
+    for _ in range(5):
+        engine.step()
+    short = engine.add_request([7] * 10, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    steps = 0
+    while short.finish_reason is None:
+        engine.step()
+        steps += 1
+    assert steps <= 6 and long.finish_reason is None and len(long.output) < 30
+    while engine.has_work():
+        engine.step()
+    assert len(long.output) == 230
+    assert_clean(kv)
+
+
 def test_rejects_what_can_never_fit(seed: int) -> None:
     model = tiny_model(seed)
     kv = KVSettings(host_pool_gib=pool_gib(model.cfg, 2)).build(model.cfg, dtype=torch.float64)

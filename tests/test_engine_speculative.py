@@ -144,6 +144,27 @@ def test_greedy_with_speculation_equals_without(greedy_case, n_spec: int, seed: 
     assert_clean(kv)
 
 
+def test_preemption_with_speculation_keeps_the_greedy_tokens(greedy_case, seed: int) -> None:
+    """A host pool with room for about one request at a time: requests are preempted mid-decode (their drafter
+    state dropped with their KV), recompute and continue, and still produce the tokens of decoding without
+    speculation."""
+    model, prompts, ref = greedy_case
+    probe = checked_kv(model)
+    page_bytes = probe.pool.page_bytes
+    pages = -(-max(len(p) + NEW for p in prompts) // probe.pool.page_tokens) + 1
+    kv = CheckedKV(model.cfg, "fp8_ds_mla", dtype=model.dtype, host_pool_gib=pages * page_bytes / 2**30,
+                   hot_buffer_tokens=HOT, resident_window=WINDOW)
+    drafter = NoisyDrafter(model, {rid: p + ref[rid] for rid, p in zip(ref, prompts)}, 0.7, seed)
+    spec = SpeculativeConfig.parse({"method": "dspark", "num_speculative_tokens": 3}, model.cfg)
+    engine = Engine(model, kv, SCHED, speculative=spec, proposer=drafter)
+    reqs, _ = run(engine, prompts, SamplingParams(max_tokens=NEW, temperature=0))
+    assert engine.scheduler.num_preemptions > 0
+    for r in reqs:
+        assert r.output == ref[r.id] and r.finish_reason == "length"
+    assert drafter.cache.nbytes() == 0
+    assert_clean(kv)
+
+
 def test_oracle_drafter_every_draft_accepted(greedy_case) -> None:
     model, prompts, ref = greedy_case
     engine = Engine(model, checked_kv(model), SCHED, speculative=SpeculativeConfig(num_speculative_tokens=3),

@@ -7,10 +7,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import signal
 import socket
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -313,6 +315,13 @@ def bad_requests(name: str) -> list[tuple[str, object, int, str]]:
         (C, {**c, "max_tokens": 16.0}, 400, "max_tokens"), (C, {**c, "ignore_eos": 1}, 400, "ignore_eos"),
         (C, {**c, "temperature": "0.5"}, 400, "temperature"), (C, {**c, "stop_token_ids": ["2"]}, 400, "stop_token_ids"),
         (C, {**c, "seed": -1}, 400, "seed"), (C, {**c, "seed": 2**64}, 400, "seed"),
+        (C, {**c, "max_tokens": True}, 400, "max_tokens"), (C, {**c, "max_tokens": -1}, 400, "max_tokens"),
+        (C, {**c, "top_p": "0.9"}, 400, "top_p"), (C, {**c, "temperature": None}, 400, "temperature"),
+        (C, {**c, "n": 0}, 400, "n"), (C, {**c, "stop": 5}, 400, "stop"), (C, {**c, "user": 5}, 400, "user"),
+        (C, {**c, "prompt": [1, "a"]}, 400, "prompt"), (C, {**c, "top_k": 1.5}, 400, "top_k"),
+        (C, {**c, "stream": True, "stream_options": {"include_usage": "yes"}}, 400, "stream_options"),
+        (H, {**h, "messages": "hi"}, 400, "messages"),
+        (H, {**h, "messages": [{**user, "extra": 1}]}, 400, "messages.0"), (H, {**h, "tools": "x"}, 400, "tools"),
         # tool_choice must name a tool that exists
         (H, {**h, "tool_choice": "required"}, 400, "~needs at least one tool"),
         (H, {**h, "tool_choice": {"type": "function", "function": {"name": "f"}}}, 400, "~not in tools"),
@@ -323,7 +332,7 @@ def bad_requests(name: str) -> list[tuple[str, object, int, str]]:
 
 def test_malformed_requests_get_openai_errors(server: Server) -> None:
     table = bad_requests(server.name)
-    assert len(table) >= 30
+    assert len(table) >= 60
     with httpx.Client(timeout=30) as http:
         for path, body, status, what in table:
             kw = {"content": body} if isinstance(body, str) else {"json": body}
@@ -380,6 +389,54 @@ def test_extreme_sampling_values_fail_nobody(server: Server, tok, reference) -> 
     server.wait_idle()
 
 
+@pytest.mark.slow
+def test_load_with_cancellations_leaves_nothing_behind(server: Server, seed: int) -> None:
+    """48 concurrent clients for ~40 s: completions and chat, streaming or not, greedy or seeded sampling,
+    random lengths, and about one request in five cancelled mid-way. Every request that was not cancelled
+    succeeds, and afterwards every gauge (running, waiting, reserved tokens, pool usage, index-cache bytes) is 0."""
+    base = server.wait_idle()
+    rng = random.Random(seed)
+    deadline = time.monotonic() + 40
+    outcomes: Counter = Counter()
+
+    async def client(i: int, http: httpx.AsyncClient) -> None:
+        while time.monotonic() < deadline:
+            chat, stream, cancel = rng.random() < 0.5, rng.random() < 0.5, rng.random() < 0.2
+            body = {"model": server.name, "max_tokens": rng.randint(1, 40), "temperature": rng.choice([0, 0.8]),
+                    "seed": rng.randrange(2**64), "stream": stream or cancel}
+            text = " ".join(f"w{rng.randrange(1000)}" for _ in range(rng.randint(1, 300)))
+            if chat:
+                body["messages"] = [{"role": "user", "content": text}]
+            else:
+                body["prompt"] = text
+            path = "/v1/chat/completions" if chat else "/v1/completions"
+            if cancel:
+                async with http.stream("POST", server.url + path, json=body) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: ") and rng.random() < 0.3:
+                            break
+                outcomes["cancelled"] += 1
+                continue
+            if stream:
+                async with http.stream("POST", server.url + path, json=body) as r:
+                    lines = [line async for line in r.aiter_lines() if line.startswith("data: ")]
+                ok = r.status_code == 200 and lines[-1] == "data: [DONE]" and not any('"error"' in x for x in lines)
+            else:
+                r = await http.post(server.url + path, json=body)
+                ok = r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+            outcomes["ok" if ok else "failed"] += 1
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120, headers=auth(),
+                                     limits=httpx.Limits(max_connections=64)) as http:
+            await asyncio.gather(*[client(i, http) for i in range(48)])
+
+    asyncio.run(main())
+    assert outcomes["failed"] == 0 and outcomes["ok"] > 48 and outcomes["cancelled"] > 0, outcomes
+    m = server.wait_idle()
+    assert m["hisparse_host_pool_usage_ratio"] == base["hisparse_host_pool_usage_ratio"] == 0.0
+
+
 def test_health_answers_head(server: Server) -> None:
     assert httpx.head(f"{server.url}/health").status_code == 200
 
@@ -428,15 +485,19 @@ def test_big_bodies_are_refused_without_blocking_the_server(server: Server) -> N
     server.wait_idle()
 
 
-def test_slow_bodies_time_out_and_shutdown_is_bounded(tmp_path: Path) -> None:
-    """A client that sends 1 of 1,000 body bytes gets 408 after --body-timeout; on SIGTERM a stream in flight
-    ends with a 'server shutting down' error event after --shutdown-timeout, a half-sent request holds nothing,
-    and the server exits 0."""
+def test_slow_bodies_long_requests_and_a_bounded_shutdown(tmp_path: Path) -> None:
+    """On a host pool that holds one maximal request: a client that sends 1 of 1,000 body bytes gets 408 after
+    --body-timeout; a request allowed the whole pool (max_tokens up to max_model_len) does not hold it, so a short
+    request sent while it streams finishes within seconds; on SIGTERM the long stream ends with a 'server
+    shutting down' error event after --shutdown-timeout, a half-sent request holds nothing, and the server exits
+    0."""
     port, log = free_port(), tmp_path / "shutdown.log"
+    pool_tokens = 5440                                  # --host-pool-gib 0.002 of the built-in tiny checkpoint
     cmd = [sys.executable, "-m", "hisparse.cli", "serve", "--port", str(port), "--device", "cpu", "--log-level",
-           "warning", "--max-model-len", str(MAX_MODEL_LEN), "--host-pool-gib", "0.05", "--body-timeout", "1",
+           "warning", "--max-model-len", str(pool_tokens), "--host-pool-gib", "0.002", "--body-timeout", "1",
            "--shutdown-timeout", "2"]
     url = f"http://127.0.0.1:{port}"
+    name = builtin_tiny().name
 
     def raw(request: bytes) -> socket.socket:
         sock = socket.create_connection(("127.0.0.1", port), timeout=30)
@@ -445,6 +506,7 @@ def test_slow_bodies_time_out_and_shutdown_is_bounded(tmp_path: Path) -> None:
 
     with running(cmd, log, dict(os.environ, OMP_NUM_THREADS="1")) as proc:
         wait_healthy(proc, url, log)
+        assert f"KV cache (host pool) size: {pool_tokens:,} tokens" in log.read_text()
         slow = raw(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                    b"Content-Length: 1000\r\n\r\n{")
         t0 = time.monotonic()
@@ -454,14 +516,18 @@ def test_slow_bodies_time_out_and_shutdown_is_bounded(tmp_path: Path) -> None:
         assert reply.startswith("HTTP/1.1 408") and "request_timeout" in reply and time.monotonic() - t0 < 10
         silent = raw(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")      # headers never finished
         events: list[str] = []
-        body = {"model": "x", "prompt": "count", "max_tokens": MAX_MODEL_LEN - 10, "temperature": 0,
+        body = {"model": name, "prompt": "count", "max_tokens": pool_tokens - 10, "temperature": 0,
                 "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "model": builtin_tiny().name},
-                          timeout=60) as r:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     events.append(line[6:])
                 if len(events) == 3:
+                    t0 = time.monotonic()
+                    short = httpx.post(f"{url}/v1/completions", timeout=30, json={
+                        "model": name, "prompt": "hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+                    assert short.status_code == 200 and short.json()["usage"]["completion_tokens"] == 4
+                    assert time.monotonic() - t0 < 5
                     proc.send_signal(signal.SIGTERM)
                     t0 = time.monotonic()
         assert proc.wait(timeout=30) == 0
@@ -469,7 +535,7 @@ def test_slow_bodies_time_out_and_shutdown_is_bounded(tmp_path: Path) -> None:
         silent.close()
     errors = [json.loads(e)["error"] for e in events if e.startswith('{"error"')]
     assert errors and "server shutting down" in errors[0]["message"], events[-3:]
-    assert events[-1] == "[DONE]"
+    assert events[-1] == "[DONE]" and len(events) < pool_tokens
 
 
 def test_metrics_move_during_long_context_request(server: Server) -> None:

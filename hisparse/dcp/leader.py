@@ -93,6 +93,10 @@ class DCPEngine(Engine):
     def make_runner(self, model: ML4, kv: LatentKV, tap_layers: tuple[int, ...]) -> ModelRunner:
         return LeaderRunner(self.leader, model, kv, tap_layers)
 
+    def _preempted(self, req: Request) -> None:
+        self.leader.record(("release", req.id))
+        super()._preempted(req)
+
     def _finish(self, req: Request, reason: str, new: list[int] | None = None, delta: str = "",
                 error: str | None = None) -> None:
         self.leader.record(("release", req.id))

@@ -57,6 +57,7 @@ class StepStats:
     kv_stats: KVStats = field(default_factory=KVStats)
     kv_usage: float = 0.0                 # LatentKV.usage_ratio()
     kv_reserved_tokens: int = 0           # tokens reserved by admitted requests (0 when all are done)
+    num_preemptions: int = 0              # running requests preempted so far (their KV freed, to recompute)
     kv_index_cache_bytes: int = 0         # indexer keys held on the device (0 when all are done)
     kv_ranks: list["RankPool"] = field(default_factory=list)   # DCP: each rank's host pool ([] without DCP)
 
@@ -75,7 +76,8 @@ class Engine:
             window = model.cfg.mtp.sliding_window if model.cfg.mtp is not None else None
             self.speculator = self.make_speculator(speculative, proposer or DSparkDrafter(model), kv, window)
         self.runner = self.make_runner(model, kv, self.speculator.tap_layers if self.speculator else ())
-        self.scheduler = Scheduler(cfg, kv, speculative.num_speculative_tokens if speculative else 0)
+        self.scheduler = Scheduler(cfg, kv, speculative.num_speculative_tokens if speculative else 0,
+                                   on_preempt=self._preempted)
         self.eos_id, self.decode = eos_id, decode
         self.vocab = model.cfg.vocab_size
         self.on_step: Callable[[StepStats], None] | None = None
@@ -193,6 +195,7 @@ class Engine:
         stats.num_running, stats.num_waiting = len(self.scheduler.running), len(self.scheduler.waiting)
         stats.kv_stats, stats.kv_usage = self.kv.stats.snapshot(), self.kv.usage_ratio()
         stats.kv_reserved_tokens = sum(self.kv.reserved.values())
+        stats.num_preemptions = self.scheduler.num_preemptions
         stats.kv_index_cache_bytes = self.kv.index_cache_bytes()
         stats.kv_ranks = self.rank_pools()
         if stats.kv_ranks:   # DCP: the cache counters of every rank's store, not only rank 0's
@@ -234,6 +237,11 @@ class Engine:
         else:
             self._deliver(req, RequestOutput(req.id, new, delta, prompt_tokens=len(req.prompt),
                                              output_tokens=len(req.output)))
+
+    def _preempted(self, req: Request) -> None:
+        """A request's KV was freed to make room (it recomputes later): drop its drafter state too."""
+        if self.speculator is not None:
+            self.speculator.release(req.id)
 
     @staticmethod
     def _deliver(req: Request, out: RequestOutput) -> None:

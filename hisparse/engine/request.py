@@ -93,7 +93,7 @@ class Request:
 
     @property
     def max_len(self) -> int:
-        """Positions the request may ever occupy; reserved in the KV store at admission."""
+        """Positions the request may ever occupy (prompt + max_tokens)."""
         return len(self.prompt) + self.params.max_tokens
 
     def num_drafts(self, limit: int) -> int:

@@ -1,16 +1,20 @@
 """Continuous batching: FIFO admission by KV capacity, then per step every decode plus chunked prefill.
 
-A request reserves its whole length (prompt + max_tokens) in the KV store before it starts, so a running
-request can never run out of room mid-way and never evicts a neighbour. The head of the queue waits until
-the reservation fits (FIFO, so a long request is not starved by short ones); a request that could never fit
-is rejected at submission. Each step takes one token for every decoding request and spends the rest of the
-token budget on draft tokens (with speculative decoding: a decoding request's segment becomes [anchor, d_1..d_n])
-and then on prefill chunks, oldest request first.
+A request reserves in the KV store what it needs now: its known tokens plus this step's drafts (the store rounds
+up to whole pages), and grows the reservation as it decodes. When the store cannot grow a running request, the
+newest running request is preempted (vLLM's recompute policy): its KV is freed, it goes back to the head of the
+queue and, once readmitted, prefills its prompt and the tokens it already generated again, then continues; its
+client sees nothing but a pause. So a long max_tokens never holds room it does not use, and the oldest requests
+always make progress. The head of the queue is admitted once its tokens fit (FIFO, so a long request is not
+starved by short ones); a request that could never fit is rejected at submission. Each step takes one token for
+every decoding request and spends the rest of the token budget on draft tokens (with speculative decoding: a
+decoding request's segment becomes [anchor, d_1..d_n]) and then on prefill chunks, oldest request first.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..model.batch import Segment
@@ -38,10 +42,13 @@ class Scheduler:
     token budget cannot hold every decode's drafts, later requests get fewer (`hisparse serve` sizes the budget
     to max_num_seqs x (1 + N), so a request's drafts never depend on its neighbours)."""
 
-    def __init__(self, cfg: SchedulerConfig, kv: LatentKV, num_speculative_tokens: int = 0):
+    def __init__(self, cfg: SchedulerConfig, kv: LatentKV, num_speculative_tokens: int = 0,
+                 on_preempt: Callable[[Request], None] = lambda req: None):
         self.cfg, self.kv, self.num_speculative_tokens = cfg, kv, num_speculative_tokens
+        self.on_preempt = on_preempt      # told after a request's KV is freed by a preemption
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.num_preemptions = 0
 
     def check(self, req: Request) -> None:
         """Reject a request that can never run (too long for the model or for the whole KV store)."""
@@ -73,10 +80,31 @@ class Scheduler:
         self.kv.release(req.id)
         req.status = Status.FINISHED
 
+    def needed(self, req: Request) -> int:
+        """Positions req may write in its next step: its known tokens plus drafts (never beyond max_len)."""
+        return min(req.max_len, req.total_len + self.num_speculative_tokens)
+
+    def preempt(self, req: Request) -> None:
+        """Free a running request's KV and put it back at the head of the queue, to recompute what it had."""
+        self.running.remove(req)
+        self.kv.release(req.id)
+        req.num_computed = 0
+        req.status = Status.WAITING
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+        self.on_preempt(req)
+
+    def grow(self) -> None:
+        """Give every running request, oldest first, the room of its next step; when the store is full, preempt
+        the newest running request (possibly the one growing) until it fits."""
+        for req in list(self.running):
+            while req in self.running and not self.kv.reserve(req.id, self.needed(req)):
+                self.preempt(self.running[-1])
+
     def admit(self) -> None:
         while self.waiting and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[0]
-            if not self.kv.reserve(req.id, req.max_len):
+            if not self.kv.reserve(req.id, self.needed(req)):
                 break
             self.waiting.popleft()
             req.status = Status.RUNNING
@@ -84,6 +112,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledStep | None:
         """The next forward, or None when nothing can run."""
+        self.grow()
         self.admit()
         decode = [r for r in self.running if r.total_len - r.num_computed == 1]
         prefill = [r for r in self.running if r.total_len - r.num_computed > 1]

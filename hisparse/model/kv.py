@@ -208,7 +208,7 @@ class LatentKV(ABC):
         pages = self.pages.pages_used if req is None else self.pages.pages_of(req)
         return pages * self.index_keys.bytes_per_page()
 
-    # ---- capacity and admission: a request reserves its whole length (prompt + max new tokens) up front ----
+    # ---- capacity and admission: a request reserves the positions it may write (grown as it decodes) ----
     def token_capacity(self) -> int | None:
         """Tokens the latent store can hold in all (None: unbounded)."""
         return None
@@ -226,9 +226,12 @@ class LatentKV(ABC):
         return cap is None or self._rounded(n_tokens) <= cap
 
     def reserve(self, req: Hashable, n_tokens: int) -> bool:
-        """Reserve room for n_tokens positions of req; False (nothing changed) if it does not fit now."""
+        """Hold room for n_tokens positions of req (a reservation only grows); False (nothing changed) if it does
+        not fit now."""
         free = self.tokens_unreserved()
         need = self._rounded(n_tokens) - self.reserved.get(req, 0)
+        if need <= 0:
+            return True
         if free is not None and need > free:
             return False
         self.reserved[req] = self.reserved.get(req, 0) + need

@@ -30,6 +30,9 @@ class Metrics:
         self.generation_tokens = Counter("hisparse_generation_tokens", "Tokens generated", registry=r)
         self.finished = Counter("hisparse_request_success", "Finished requests by reason", ["finished_reason"],
                                 registry=r)
+        self.preemptions = Counter("hisparse_num_preemptions", "Running requests preempted to free KV "
+                                   "(they recompute later)", registry=r)
+        self._preempted = 0
         self.ttft = Histogram("hisparse_time_to_first_token_seconds", "Time to first token", registry=r,
                               buckets=TTFT_BUCKETS)
         self.tpot = Histogram("hisparse_time_per_output_token_seconds", "Time between output tokens",
@@ -77,6 +80,8 @@ class Metrics:
         self.generation_tokens.inc(s.generation_tokens)
         for reason in s.finished:
             self.finished.labels(reason).inc()
+        self.preemptions.inc(s.num_preemptions - self._preempted)
+        self._preempted = s.num_preemptions
         for v in s.ttft:
             self.ttft.observe(v)
         for v in s.tpot:
