@@ -155,8 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the key out of the process list)")
     p.add_argument("--max-request-bytes", type=int, default=None,
                    help="largest request body accepted, else 413 (default: 1 MiB + 16 B per --max-model-len token)")
-    p.add_argument("--body-timeout", type=float, default=30.0,
-                   help="seconds a client has to send a request body, else 408 (default: %(default)s)")
+    p.add_argument("--read-timeout", type=float, default=30.0,
+                   help="seconds a client has to send a request's headers (else the connection is closed) and its "
+                        "body (else 408) (default: %(default)s)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM/SIGINT: seconds in-flight requests get to finish before they end with an "
                         "error and the server exits (default: %(default)s)")

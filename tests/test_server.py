@@ -487,14 +487,14 @@ def test_big_bodies_are_refused_without_blocking_the_server(server: Server) -> N
 
 def test_slow_bodies_long_requests_and_a_bounded_shutdown(tmp_path: Path) -> None:
     """On a host pool that holds one maximal request: a client that sends 1 of 1,000 body bytes gets 408 after
-    --body-timeout; a request allowed the whole pool (max_tokens up to max_model_len) does not hold it, so a short
+    --read-timeout, one that sends half its headers is disconnected; a request allowed the whole pool (max_tokens up to max_model_len) does not hold it, so a short
     request sent while it streams finishes within seconds; on SIGTERM the long stream ends with a 'server
     shutting down' error event after --shutdown-timeout, a half-sent request holds nothing, and the server exits
     0."""
     port, log = free_port(), tmp_path / "shutdown.log"
     pool_tokens = 5440                                  # --host-pool-gib 0.002 of the built-in tiny checkpoint
     cmd = [sys.executable, "-m", "hisparse.cli", "serve", "--port", str(port), "--device", "cpu", "--log-level",
-           "warning", "--max-model-len", str(pool_tokens), "--host-pool-gib", "0.002", "--body-timeout", "1",
+           "warning", "--max-model-len", str(pool_tokens), "--host-pool-gib", "0.002", "--read-timeout", "1",
            "--shutdown-timeout", "2"]
     url = f"http://127.0.0.1:{port}"
     name = builtin_tiny().name
@@ -515,13 +515,17 @@ def test_slow_bodies_long_requests_and_a_bounded_shutdown(tmp_path: Path) -> Non
             reply += chunk.decode()
         assert reply.startswith("HTTP/1.1 408") and "request_timeout" in reply and time.monotonic() - t0 < 10
         silent = raw(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")      # headers never finished
+        t0 = time.monotonic()
+        assert silent.recv(4096) == b"" and time.monotonic() - t0 < 10      # closed after --read-timeout
+        silent = raw(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
         events: list[str] = []
         body = {"model": name, "prompt": "count", "max_tokens": pool_tokens - 10, "temperature": 0,
                 "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
             for line in r.iter_lines():
-                if line.startswith("data: "):
-                    events.append(line[6:])
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[6:])
                 if len(events) == 3:
                     t0 = time.monotonic()
                     short = httpx.post(f"{url}/v1/completions", timeout=30, json={

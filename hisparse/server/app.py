@@ -42,7 +42,7 @@ class ServerConfig:
     api_key: str | None = None
     debug_hooks: bool = False   # accept `debug_forced_token_ids` (tests of the output parsers)
     max_request_bytes: int | None = None   # request body limit; None: sized from max_model_len
-    body_timeout_s: float = 30.0           # a request body must arrive within this
+    read_timeout_s: float = 30.0           # a request body must arrive within this (headers: connection.py)
 
     @property
     def body_limit(self) -> int:
@@ -118,7 +118,7 @@ def build_app(engine: Engine, tokenizer: MistralTokenizer, cfg: ServerConfig) ->
         return error_response(APIError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error",
                                        kind="server_error"))
 
-    app.add_middleware(BodyGuard, max_bytes=cfg.body_limit, timeout_s=cfg.body_timeout_s)
+    app.add_middleware(BodyGuard, max_bytes=cfg.body_limit, timeout_s=cfg.read_timeout_s)
     if cfg.api_key:    # added last: the outer layer, so an unauthenticated body is never read
         app.add_middleware(ApiKeyAuth, api_key=cfg.api_key)
 

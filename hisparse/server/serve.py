@@ -35,6 +35,7 @@ from ..model.ml4 import ML4
 from ..model.tokenizer import load_tokenizer
 from ..model.weights import load_model
 from .app import ServerConfig, build_app
+from .connection import HeaderTimeoutH11
 
 
 FINAL_EVENTS_S = 5.0   # after the drain: time for the failed requests' last events to reach their clients
@@ -179,7 +180,7 @@ def _serve(args: argparse.Namespace, model_dir: Path, dtype: torch.dtype, kv_set
                           speculative)
     name = args.served_model_name or model_dir.name
     app = build_app(engine, tokenizer, ServerConfig(name, max_model_len, args.api_key, args.debug_hooks,
-                                                    args.max_request_bytes, args.body_timeout))
+                                                    args.max_request_bytes, args.read_timeout))
     lines = capacity_lines(kv, kv_settings.offload, max_model_len)
     if dcp is not None:
         engine.leader.gather()                   # the start-up exchange: every rank's pool
@@ -193,7 +194,7 @@ def _serve(args: argparse.Namespace, model_dir: Path, dtype: torch.dtype, kv_set
     print(f"Serving model '{name}' ({str(model.dtype).removeprefix('torch.')} on {model.device}) from {model_dir} "
           f"at http://{args.host}:{args.port}/v1 (Ctrl-C to stop)", flush=True)
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           access_log=False,
+                                           access_log=False, http=HeaderTimeoutH11.with_timeout(args.read_timeout),
                                            timeout_graceful_shutdown=args.shutdown_timeout + FINAL_EVENTS_S),
                             engine, args.shutdown_timeout)
     engine.on_fatal = lambda err: setattr(server, "should_exit", True)
