@@ -421,7 +421,7 @@ def test_load_with_cancellations_leaves_nothing_behind(server: Server, seed: int
             if stream:
                 async with http.stream("POST", server.url + path, json=body) as r:
                     lines = [line async for line in r.aiter_lines() if line.startswith("data: ")]
-                ok = r.status_code == 200 and lines[-1] == "data: [DONE]" and \
+                ok = r.status_code == 200 and lines[-1:] == ["data: [DONE]"] and \
                     not any(x.startswith('data: {"error"') for x in lines)
                 seen = f"{r.status_code} {lines[-2:]}"
             else:
