@@ -10,7 +10,7 @@ and fastest wall and process CPU time per step, every rank); R = 1 also runs the
 cost of the DCP hooks themselves. The greedy tokens of every R must equal R = 1's. Results -> JSON.
 
     python -m benchmarks.dcp.bench [--sizes 1,2,4] [--interleave 1] [--pool-gib 0.5] [--context 4096]
-                                   [--steps 32] [--threads 1] [--out benchmarks/dcp/results.json]
+                                   [--steps 32] [--threads 1] [--out benchmarks/results/dcp.json]
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default="benchmarks/dcp/results.json")
+    ap.add_argument("--out", default="benchmarks/results/dcp.json")
     args = ap.parse_args()
     params = {"pool_gib": args.pool_gib, "interleave": args.interleave, "context": args.context, "steps": args.steps}
     runs = {}

@@ -6,7 +6,7 @@ Every mode decodes the same prompt greedily; its tokens must equal plain decodin
 Prefill is not timed. One request, batch 1, single-threaded by default. Results -> JSON.
 
     python -m benchmarks.dspark.bench [--model DIR | --preset small] [--prompt 256] [--new 96]
-                                      [--kv none,hisparse] [--out benchmarks/dspark/results.json]
+                                      [--kv none,hisparse] [--out benchmarks/results/dspark.json]
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="benchmarks/dspark/results.json")
+    ap.add_argument("--out", default="benchmarks/results/dspark.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.model:

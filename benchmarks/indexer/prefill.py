@@ -7,7 +7,7 @@ linearly with the context; everything else is flat). Both process CPU seconds an
 CPU figure is what the run costs on an otherwise idle machine). Optional cProfile of the whole run.
 
     python -m benchmarks.indexer.prefill [--tokens 1048576] [--chunk 4096] [--budget 3600] [--threads 2]
-                                         [--profile results/prefill.prof] [--out benchmarks/indexer/prefill.json]
+                                         [--profile /tmp/prefill.prof] [--out benchmarks/results/indexer/prefill.json]
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=3600.0, help="stop after this many wall seconds")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--profile", default=None, help="write a cProfile of the run here")
-    ap.add_argument("--out", default="benchmarks/indexer/prefill.json")
+    ap.add_argument("--out", default="benchmarks/results/indexer/prefill.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     prof = cProfile.Profile(time.process_time) if args.profile else None   # CPU seconds: robust to a busy machine

@@ -8,7 +8,7 @@ chunk's logits of the two must agree (same greedy token). Models and prompts as 
 the random tiny model on random tokens, or --model CKPT (e.g. checkpoints/needle-ml4) on the needle haystack.
 
     python -m benchmarks.indexer.rows [--model CKPT] [--tokens 32768] [--chunk 1024] [--threads 1]
-                                      [--out benchmarks/indexer/rows.json]
+                                      [--out benchmarks/results/indexer/rows.json]
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="benchmarks/indexer/rows.json")
+    ap.add_argument("--out", default="benchmarks/results/indexer/rows.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     res = run(args.model, args.tokens, args.chunk, args.seed)

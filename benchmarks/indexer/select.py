@@ -13,7 +13,7 @@ linear); the fused path is timed on the whole chunk and must select exactly what
 sampled rows. Wall seconds and process CPU seconds are both reported. Results -> JSON.
 
     python -m benchmarks.indexer.select [--contexts 65536,262144,1048576] [--chunk 4096] [--sample 32]
-                                        [--model CKPT] [--out benchmarks/indexer/results.json]
+                                        [--model CKPT] [--out benchmarks/results/indexer/select.json]
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--model", default=None, help="checkpoint dir (default: the random tiny model)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="benchmarks/indexer/results.json")
+    ap.add_argument("--out", default="benchmarks/results/indexer/select.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     contexts = [int(c) for c in args.contexts.split(",")]

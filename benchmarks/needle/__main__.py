@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "the server's /v1/completions usage (lengths then within a few tokens)")
     ap.add_argument("--concurrency", type=int, default=1, help="requests in flight per endpoint")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per request")
-    ap.add_argument("--out", default="results/needle", help="output folder")
+    ap.add_argument("--out", default="benchmarks/results/needle", help="output folder")
     ap.add_argument("--resume", action="store_true",
                     help="keep the records OUT/records.jsonl already holds (a stopped run) and ask only the rest")
     return ap

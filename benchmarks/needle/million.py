@@ -2,7 +2,7 @@
 served by the engine of `hisparse serve` with HiSparse KV on this machine's CPU.
 
     python -m benchmarks.needle.million [--model DIR] [--tokens 1048576] [--decode 32] [--chunk 4096] \\
-        [--threads 1] [--out results/needle/million.json]
+        [--threads 1] [--out benchmarks/results/needle/million.json]
 
 It drives the serving engine (`hisparse.engine.Engine`: scheduler, chunked prefill, sampler, HiSparseKV)
 in-process rather than over HTTP, so that prefill and decode are timed apart at the step where the first token
@@ -257,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="torch intra-op threads (more than 1 spin-waits badly on a busy machine)")
     # the KV flags but --kv-offload (always hisparse) and --host-pool-gib (sized to the request)
     KVSettings.add_args(ap, ("layout", "hot_buffer_tokens", "resident_window", "page_tokens"))
-    ap.add_argument("--out", default="results/needle/million.json")
+    ap.add_argument("--out", default="benchmarks/results/needle/million.json")
     return ap
 
 

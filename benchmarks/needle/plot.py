@@ -6,8 +6,13 @@ from pathlib import Path
 
 
 def heatmap(cells: list[dict], names: list[str], out: Path, title: str) -> None:
-    """Write a PNG: retrieval rate per endpoint and, with two endpoints, the rate of identical outputs."""
-    import matplotlib
+    """Write a PNG: retrieval rate per endpoint and, with two endpoints, the rate of identical outputs (skipped,
+    with a one-line note, without matplotlib: the bench extra)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib missing (the bench extra: pip install -e '.[bench]'): no PNG written")
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np

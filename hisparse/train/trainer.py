@@ -6,7 +6,7 @@ environment (`numeric_env`, recorded in the log's header) are bit-identical. A r
 run diverged from it at step 79 and trained a weaker model. Changing only MKL's or ATen's kernel dispatch moves
 a run off this machine's trajectory at the same steps (79 or 88), so the shipped run's environment, which was not
 recorded, is the likely cause. The re-run's sparse-copy retrieved late, which the stages' gates (recipe.Gate)
-now catch by retrying: see the README. Progress is a tqdm bar; every step appends a line to `train_log.jsonl`
+now catch by retrying: see docs/needle-model.md. Progress is a tqdm bar; every step appends a line to `train_log.jsonl`
 (loss, answer loss, indexer KL, answer exact match under teacher forcing, length, seconds).
 """
 
