@@ -29,9 +29,36 @@ def _ids(text: str, vocab_size: int) -> list[int]:
     return ids
 
 
-def _model_dir(arg: str | None) -> Path:
-    from .model.tiny import builtin_tiny
-    return Path(arg) if arg else builtin_tiny()
+TRAINED_CHECKPOINT = "checkpoints/needle-ml4"   # in the repository: the tiny ML4 trained to retrieve passkeys
+
+
+def model_dir(arg: str | None, tokenizer: bool, builtin_note: bool) -> Path:
+    """--model's checkpoint folder, checked here once for every command: a missing folder, params.json, weights or
+    (with `tokenizer`) tekken.json ends the command with one line on stderr naming --model and what is missing,
+    exit status 2. Without --model: the built-in tiny checkpoint, announced on stderr as random if
+    `builtin_note`."""
+    if not arg:
+        from .model.tiny import builtin_tiny
+        if builtin_note:
+            print(f"hisparse: no --model: the built-in tiny checkpoint has random weights (its output is "
+                  f"meaningless text); for a trained model that retrieves passkeys use --model {TRAINED_CHECKPOINT}",
+                  file=sys.stderr, flush=True)
+        return builtin_tiny()
+    path = Path(arg)
+    if not path.exists():
+        missing = "no such folder"
+    elif not path.is_dir():
+        missing = "not a folder"
+    elif not (path / "params.json").is_file():
+        missing = "no params.json (not a Mistral-native checkpoint folder)"
+    elif not any(path.glob("consolidated*.safetensors")):
+        missing = "no consolidated*.safetensors (the weights of a Mistral-native checkpoint)"
+    elif tokenizer and not (path / "tekken.json").is_file():
+        missing = "no tekken.json (the tokenizer that text prompts need)"
+    else:
+        return path
+    print(f"hisparse: --model {arg}: {missing}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -64,22 +91,22 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from .engine.generate import greedy_generate
     from .model.weights import load_model
     settings = kv_settings(args)
-    model_dir = _model_dir(args.model)
-    model = load_model(model_dir, device=args.device, dtype=DTYPES[args.dtype])
+    ckpt = model_dir(args.model, tokenizer=args.prompt is not None, builtin_note=True)
+    model = load_model(ckpt, device=args.device, dtype=DTYPES[args.dtype])
     tok = None
     if args.prompt_ids is not None:
         prompt = _ids(args.prompt_ids, model.cfg.vocab_size)
     else:
         from .model.tokenizer import load_tokenizer
-        tok = load_tokenizer(model_dir).instruct_tokenizer.tokenizer
+        tok = load_tokenizer(ckpt).instruct_tokenizer.tokenizer
         prompt = tok.encode(args.prompt, bos=True, eos=False)
     if not prompt:
         raise SystemExit("prompt: empty")
     kv = settings.build(model.cfg, args.device, DTYPES[args.dtype])
     gen = greedy_generate(model, kv, prompt, args.max_tokens, chunk=args.chunk)
-    if tok is None and (model_dir / "tekken.json").exists():
+    if tok is None and (ckpt / "tekken.json").exists():
         from .model.tokenizer import load_tokenizer
-        tok = load_tokenizer(model_dir).instruct_tokenizer.tokenizer
+        tok = load_tokenizer(ckpt).instruct_tokenizer.tokenizer
     if tok is not None:
         print(tok.decode(gen.tokens))
     print("ids:", ",".join(map(str, gen.tokens)))
@@ -92,7 +119,7 @@ def cmd_logits(args: argparse.Namespace) -> None:
     from .model.batch import Segment
     from .model.kv import ResidentKV
     from .model.weights import load_model
-    model = load_model(_model_dir(args.model), device=args.device)
+    model = load_model(model_dir(args.model, tokenizer=False, builtin_note=False), device=args.device)
     ids = _ids(args.prompt_ids, model.cfg.vocab_size)
     kv = ResidentKV(model.cfg, layout=None, device=args.device)
     logits = model(torch.tensor(ids, device=args.device), [Segment(0, 0, len(ids))], kv)
@@ -101,9 +128,10 @@ def cmd_logits(args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    from .server.serve import serve
     settings = kv_settings(args)
-    serve(args, _model_dir(args.model), DTYPES[args.dtype], settings)
+    ckpt = model_dir(args.model, tokenizer=True, builtin_note=True)
+    from .server.serve import serve     # imported after the check: a bad --model fails at once
+    serve(args, ckpt, DTYPES[args.dtype], settings)
 
 
 def cmd_train_needle(args: argparse.Namespace) -> None:
@@ -117,28 +145,29 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("make-tiny", help="write a tiny random Mistral-native ML4 checkpoint")
-    p.add_argument("out")
-    p.add_argument("--preset", choices=("tiny", "small"), default="tiny")
+    p.add_argument("out", help="checkpoint dir to write")
+    p.add_argument("--preset", choices=("tiny", "small"), default="tiny", help="model size (default: %(default)s)")
     p.add_argument("--fp8", action="store_true", help="store linear weights as block-scaled fp8 e4m3")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: %(default)s)")
     p.set_defaults(fn=cmd_make_tiny)
 
     p = sub.add_parser("generate", help="greedy generation for one prompt")
     p.add_argument("--model", default=None, help="checkpoint dir (default: the built-in tiny checkpoint)")
     g = p.add_mutually_exclusive_group(required=True)
-    g.add_argument("--prompt")
-    g.add_argument("--prompt-ids")
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--chunk", type=int, default=256, help="prefill chunk size")
+    g.add_argument("--prompt", help="prompt text, encoded with the checkpoint's tekken.json (this or --prompt-ids "
+                                    "is required)")
+    g.add_argument("--prompt-ids", help="prompt as comma-separated token ids (this or --prompt is required)")
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens to generate (default: %(default)s)")
+    p.add_argument("--chunk", type=int, default=256, help="prefill chunk size (default: %(default)s)")
     KVSettings.add_args(p)
     add_runtime_args(p)
     p.set_defaults(fn=cmd_generate)
 
     p = sub.add_parser("logits", help="full-forward fp32 logits [T, V] of a prompt to a .npy file")
-    p.add_argument("--model", default=None)
-    p.add_argument("--prompt-ids", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--model", default=None, help="checkpoint dir (default: the built-in tiny checkpoint)")
+    p.add_argument("--prompt-ids", required=True, help="prompt as comma-separated token ids")
+    p.add_argument("--out", required=True, help=".npy file to write")
+    p.add_argument("--device", default="cpu", help="compute device (default: %(default)s)")
     p.set_defaults(fn=cmd_logits)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)")
@@ -148,8 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="prompt + max_tokens limit per request (default: what the model and KV cache allow)")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="requests decoding at once")
-    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per forward step")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="requests decoding at once (default: %(default)s)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="tokens per forward step (default: %(default)s)")
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                    help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV}, which keeps "
                         "the key out of the process list)")
@@ -164,27 +194,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, the JSON vllm serve takes: {"method": "dspark", '
                         '"num_speculative_tokens": 3, "draft_sample_method": "greedy"|"probabilistic"} '
-                        "(needs a checkpoint with a DSpark drafter)")
+                        "(needs a checkpoint with a DSpark drafter) (default: off)")
     p.add_argument("--debug-hooks", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                   help="uvicorn's log level (default: %(default)s)")
     p.add_argument("--dcp-size", type=int, default=1,
                    help="decode context parallelism: ranks (processes) sharing every request's KV; this process is "
-                        "rank 0 and starts the others (or run under torchrun --nproc-per-node R)")
-    p.add_argument("--dcp-interleave", type=int, default=1, help="DCP: consecutive tokens per rank (I)")
+                        "rank 0 and starts the others (or run under torchrun --nproc-per-node R) "
+                        "(default: %(default)s)")
+    p.add_argument("--dcp-interleave", type=int, default=1,
+                   help="DCP: consecutive tokens per rank (I) (default: %(default)s)")
     p.add_argument("--dcp-timeout", type=float, default=DEFAULT_TIMEOUT_S,
-                   help="DCP: seconds a collective may wait for a peer rank before the server fails")
+                   help="DCP: seconds a collective may wait for a peer rank before the server fails "
+                        "(default: %(default)s)")
     KVSettings.add_args(p)
     add_runtime_args(p)
     p.set_defaults(fn=cmd_serve)
 
     p = sub.add_parser("train-needle", help="train the tiny passkey-retrieval ML4 on the CPU and evaluate it")
-    p.add_argument("--out", default="checkpoints/needle-ml4", help="checkpoint dir to write")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=TRAINED_CHECKPOINT, help="checkpoint dir to write (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="training seed (default: %(default)s)")
     p.add_argument("--resume", action="store_true", help="continue after the last stage checkpoint in --out")
     p.add_argument("--eval-only", action="store_true", help="skip training; evaluate the checkpoint in --out")
-    p.add_argument("--eval-chars", default="1000,4000,8000", help="haystack lengths (characters = tokens)")
-    p.add_argument("--eval-samples", type=int, default=20, help="fresh passkey prompts per length")
-    p.add_argument("--hot-buffer-tokens", type=int, default=128, help="HiSparse hot slots used by the evaluation")
+    p.add_argument("--eval-chars", default="1000,4000,8000",
+                   help="haystack lengths (characters = tokens) (default: %(default)s)")
+    p.add_argument("--eval-samples", type=int, default=20,
+                   help="fresh passkey prompts per length (default: %(default)s)")
+    p.add_argument("--hot-buffer-tokens", type=int, default=128,
+                   help="HiSparse hot slots used by the evaluation (default: %(default)s)")
     p.set_defaults(fn=cmd_train_needle)
     return ap
 

@@ -145,15 +145,18 @@ def test_greedy_with_speculation_equals_without(greedy_case, n_spec: int, seed: 
 
 
 def test_preemption_with_speculation_keeps_the_greedy_tokens(greedy_case, seed: int) -> None:
-    """A host pool with room for about one request at a time: requests are preempted mid-decode (their drafter
-    state dropped with their KV), recompute and continue, and still produce the tokens of decoding without
-    speculation."""
+    """A host pool with room for the longest request alone: the first two requests start together and fill it
+    with their prompts, so the first one's growth preempts the second mid-run (its drafter state dropped with its
+    KV) whatever the drafts accepted; it recomputes and continues, and every request still produces the tokens of
+    decoding without speculation."""
     model, prompts, ref = greedy_case
     probe = checked_kv(model)
-    page_bytes = probe.pool.page_bytes
-    pages = -(-max(len(p) + NEW for p in prompts) // probe.pool.page_tokens) + 1
+    page_bytes, page_tokens = probe.pool.page_bytes, probe.pool.page_tokens
+    pages = -(-max(len(p) + NEW for p in prompts) // page_tokens)
     kv = CheckedKV(model.cfg, "fp8_ds_mla", dtype=model.dtype, host_pool_gib=pages * page_bytes / 2**30,
                    hot_buffer_tokens=HOT, resident_window=WINDOW)
+    first_two = sum(-(-(len(p) + 3) // page_tokens) for p in prompts[:2])
+    assert kv.token_capacity() == pages * page_tokens and first_two == pages    # the premise of the test
     drafter = NoisyDrafter(model, {rid: p + ref[rid] for rid, p in zip(ref, prompts)}, 0.7, seed)
     spec = SpeculativeConfig.parse({"method": "dspark", "num_speculative_tokens": 3}, model.cfg)
     engine = Engine(model, kv, SCHED, speculative=spec, proposer=drafter)
@@ -326,21 +329,32 @@ def test_stop_conditions_cut_where_plain_decoding_stops(seed: int, tok) -> None:
     assert plain["string"][2] == texts[k_str + 1][:texts[k_str + 1].find(piece)] and plain["ignore"][0] == free[:23]
 
 
+def servable(folder: Path, params: dict, weights: Path) -> Path:
+    """A checkpoint folder `serve` accepts: `params`, a link to `weights` and an empty tekken.json (never read:
+    a bad --speculative-config is refused before the tokenizer and the weights load)."""
+    folder.mkdir()
+    (folder / "params.json").write_text(json.dumps(params))
+    (folder / "consolidated.safetensors").symlink_to(weights)
+    (folder / "tekken.json").touch()
+    return folder
+
+
 def test_serve_speculative_config_errors(tmp_path: Path, tiny_ckpt: Path) -> None:
     """Refused before any weight loads, naming the field; a checkpoint without an `mtp` block is refused."""
+    params = json.loads((tiny_ckpt / "params.json").read_text())
+    ckpt = servable(tmp_path / "mtp", params, tiny_ckpt / "consolidated.safetensors")
     for spec, field in [('{"method": "eagle"}', "speculative_config.method"),
                         ('{"num_speculative_tokens": 4}', "speculative_config.num_speculative_tokens"),
                         ('{"num_speculative_tokens": "3"}', "speculative_config.num_speculative_tokens"),
                         ('{"draft_sample_method": "top1"}', "speculative_config.draft_sample_method"),
                         ('{"num_speculative_token": 3}', "num_speculative_token"), ("{nope", "not valid JSON")]:
         with pytest.raises(SystemExit, match="--speculative-config") as e:
-            cli_main(["serve", "--model", str(tiny_ckpt), "--speculative-config", spec])
+            cli_main(["serve", "--model", str(ckpt), "--speculative-config", spec])
         assert field in str(e.value)
-    params = json.loads((tiny_ckpt / "params.json").read_text())
     del params["mtp"]
-    (tmp_path / "params.json").write_text(json.dumps(params))
+    ckpt = servable(tmp_path / "no-mtp", params, tiny_ckpt / "consolidated.safetensors")
     with pytest.raises(SystemExit, match="no 'mtp' block"):
-        cli_main(["serve", "--model", str(tmp_path), "--speculative-config", '{"method": "dspark"}'])
+        cli_main(["serve", "--model", str(ckpt), "--speculative-config", '{"method": "dspark"}'])
 
 
 def test_spec_decode_metrics() -> None:

@@ -119,6 +119,7 @@ def test_startup_models_health(server: Server) -> None:
     log = server.log.read_text()
     assert "KV cache (host pool) size:" in log and "Maximum concurrency for 2,048 tokens per request" in log
     assert f"{server.url}/v1" in log
+    assert "random weights" not in log      # started with --model: no note about the built-in checkpoint
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert [m.id for m in server.client().models.list().data] == [server.name]
 
@@ -138,6 +139,21 @@ def test_completion_greedy_equals_reference(server: Server, tok, reference, seed
     assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_model_defaults_to_the_served_one(server: Server) -> None:
+    """A request without `model` (or with null or "") is for the served model, as in vLLM; the reply names it."""
+    C, H = "/v1/completions", "/v1/chat/completions"
+    bodies = [(C, {"prompt": "hi"}), (C, {"model": None, "prompt": "hi"}), (C, {"model": "", "prompt": [5, 6]}),
+              (H, {"messages": [{"role": "user", "content": "hi"}]})]
+    with httpx.Client(timeout=60, headers=auth()) as http:
+        for path, body in bodies:
+            r = http.post(server.url + path, json={**body, "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["model"] == server.name, (body, r.text)
+            assert r.json()["usage"]["completion_tokens"] == 2
+        with http.stream("POST", f"{server.url}{C}", json={"prompt": "hi", "max_tokens": 2, "stream": True}) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert r.status_code == 200 and events and all(e["model"] == server.name for e in events)
 
 
 def test_sse_ends_with_done(server: Server) -> None:
@@ -285,7 +301,7 @@ def bad_requests(name: str) -> list[tuple[str, object, int, str]]:
     user = {"role": "user", "content": "hi"}
     return [
         (C, "{", 400, "~invalid JSON"), (C, "[]", 400, "~body"), (H, "not json", 400, "~invalid JSON"),
-        (C, {"prompt": "hi"}, 400, "model"), (C, {"model": name}, 400, "prompt"), (C, {**c, "prompt": 123}, 400, "prompt"),
+        (C, {"model": name}, 400, "prompt"), (C, {**c, "prompt": 123}, 400, "prompt"),
         (C, {**c, "prompt": []}, 400, "prompt"), (C, {**c, "prompt": [10**7]}, 400, "prompt"),
         (C, {**c, "max_tokens": 0}, 400, "max_tokens"), (C, {**c, "max_tokens": "ten"}, 400, "max_tokens"),
         (C, {**c, "temperature": 3}, 400, "temperature"), (C, {**c, "temperature": -0.5}, 400, "temperature"),
@@ -448,7 +464,8 @@ def test_health_answers_head(server: Server) -> None:
 
 
 def test_api_key_from_the_environment_and_a_warning_off_loopback(tmp_path: Path) -> None:
-    """$HISPARSE_API_KEY protects /v1 without --api-key; a non-loopback address without a key warns."""
+    """$HISPARSE_API_KEY protects /v1 without --api-key; a non-loopback address without a key warns; started
+    without --model, the log says the built-in checkpoint is random."""
     port, log = free_port(), tmp_path / "env.log"
     cmd = [sys.executable, "-m", "hisparse.cli", "serve", "--port", str(port), "--device", "cpu",
            "--log-level", "warning", "--max-model-len", "256", "--host-pool-gib", "0.05"]
@@ -460,7 +477,11 @@ def test_api_key_from_the_environment_and_a_warning_off_loopback(tmp_path: Path)
         assert httpx.post(f"{url}/v1/completions", json=body).status_code == 401
         ok = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer from-env"})
         assert ok.status_code == 200
-    assert "WARNING" not in log.read_text() and "from-env" not in " ".join(cmd)
+    text = log.read_text()
+    assert "WARNING" not in text and "from-env" not in " ".join(cmd)
+    # no --model: one line says the built-in checkpoint is random and names the trained one
+    (note,) = [line for line in text.splitlines() if "random weights" in line]
+    assert "built-in tiny checkpoint" in note and "--model checkpoints/needle-ml4" in note
     port, log = free_port(), tmp_path / "open.log"
     env.pop("HISPARSE_API_KEY")
     cmd[cmd.index("--port") + 1] = str(port)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -154,4 +155,6 @@ def save_model(model: ML4, model_dir: str | Path, fp8_block: tuple[int, int] | N
             out[name], out[name + QSCALE] = quantize_fp8(t, fp8_block)
         else:
             out[name] = t.to(checkpoint_dtype(name)).contiguous()
-    save_file(out, str(model_dir / "consolidated.safetensors"))
+    path = model_dir / "consolidated.safetensors"
+    save_file(out, str(path))    # renames a private (0600) temporary file over `path`
+    path.chmod(stat.S_IMODE((model_dir / "params.json").stat().st_mode))   # params.json's: 0666 less the umask

@@ -124,7 +124,7 @@ def build_app(engine: Engine, tokenizer: MistralTokenizer, cfg: ServerConfig) ->
 
     # ---- helpers ----
     def check_common(req: SamplingFields) -> None:
-        if req.model != cfg.model_name:
+        if req.model and req.model != cfg.model_name:   # no model named: the one served
             raise APIError(404, f"The model `{req.model}` does not exist; this server serves `{cfg.model_name}`.",
                            "model", "model_not_found")
         if req.debug_forced_token_ids is not None and not cfg.debug_hooks:

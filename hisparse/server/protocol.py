@@ -26,7 +26,7 @@ class StreamOptions(Strict):
 
 class SamplingFields(Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
-    model: str
+    model: str | None = None     # missing, null or "": the served model (as vLLM)
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
