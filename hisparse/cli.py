@@ -61,16 +61,25 @@ def model_dir(arg: str | None, tokenizer: bool, builtin_note: bool) -> Path:
     raise SystemExit(2)
 
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 
 
 def add_runtime_args(p: argparse.ArgumentParser) -> None:
     """Where the model and its latent KV compute, and in what precision; shared by generate and serve."""
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="compute device of the model and the device rows (default: %(default)s)")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
-                   help="compute dtype of the model and the device rows (float64: a slow exactness reference) "
-                        "(default: %(default)s)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default=None,
+                   help="compute dtype of the activations and the device rows; weights stay in checkpoint "
+                        "precision (FP8 linears stay FP8 in every dtype, bf16 tensors stay bf16 under bfloat16; "
+                        "float32/float64 are exactness references) (default: bfloat16 on a CUDA --device, "
+                        "float32 elsewhere)")
+
+
+def compute_dtype(args: argparse.Namespace) -> torch.dtype:
+    """--dtype, or its default for --device: bf16 on CUDA, fp32 elsewhere (CPUs lack fast bf16 GEMMs)."""
+    if args.dtype is None:
+        return torch.bfloat16 if torch.device(args.device).type == "cuda" else torch.float32
+    return DTYPES[args.dtype]
 
 
 def kv_settings(args: argparse.Namespace) -> KVSettings:
@@ -92,7 +101,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from .model.weights import load_model
     settings = kv_settings(args)
     ckpt = model_dir(args.model, tokenizer=args.prompt is not None, builtin_note=True)
-    model = load_model(ckpt, device=args.device, dtype=DTYPES[args.dtype])
+    model = load_model(ckpt, device=args.device, dtype=compute_dtype(args))
     tok = None
     if args.prompt_ids is not None:
         prompt = _ids(args.prompt_ids, model.cfg.vocab_size)
@@ -102,7 +111,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         prompt = tok.encode(args.prompt, bos=True, eos=False)
     if not prompt:
         raise SystemExit("prompt: empty")
-    kv = settings.build(model.cfg, args.device, DTYPES[args.dtype])
+    kv = settings.build(model.cfg, args.device, model.dtype)
     gen = greedy_generate(model, kv, prompt, args.max_tokens, chunk=args.chunk)
     if tok is None and (ckpt / "tekken.json").exists():
         from .model.tokenizer import load_tokenizer
@@ -131,7 +140,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     settings = kv_settings(args)
     ckpt = model_dir(args.model, tokenizer=True, builtin_note=True)
     from .server.serve import serve     # imported after the check: a bad --model fails at once
-    serve(args, ckpt, DTYPES[args.dtype], settings)
+    serve(args, ckpt, compute_dtype(args), settings)
 
 
 def cmd_train_needle(args: argparse.Namespace) -> None:

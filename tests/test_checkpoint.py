@@ -13,14 +13,8 @@ from safetensors.torch import load_file, save_file
 from conftest import full_forward, random_tokens
 from hisparse.model.config import preset_params
 from hisparse.model.tiny import random_model
-from hisparse.model.weights import (
-    CheckpointError,
-    dequantize_fp8,
-    from_checkpoint_name,
-    load_model,
-    quantize_fp8,
-    save_model,
-)
+from hisparse.model.linear import weight_dequant, weight_quant
+from hisparse.model.weights import CheckpointError, from_checkpoint_name, load_model, save_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 CKPT = "consolidated.safetensors"
@@ -45,10 +39,10 @@ def test_fp8_block_round_trip_with_partial_edge_blocks(seed: int) -> None:
     w = (torch.randn(45, 37, generator=g) * torch.rand(45, 1, generator=g) * 0.1).bfloat16()
     w[:16, :16] = 0                                                        # an all-zero block
     block = (16, 16)
-    w8, s = quantize_fp8(w, block)
+    w8, s = weight_quant(w, block)
     assert w8.dtype == torch.float8_e4m3fn and w8.shape == w.shape
     assert s.dtype == torch.float32 and s.shape == (3, 3)                  # ceil(45/16), ceil(37/16): partial edges
-    deq = dequantize_fp8(w8, s, block)
+    deq = weight_dequant(w8, s, block)
     assert torch.equal(deq, loop_dequant(w8, s, block))                    # multiply, per block
     scale_of = s.repeat_interleave(16, 0)[:45].repeat_interleave(16, 1)[:, :37]
     err = (deq - w.float()).abs()
@@ -78,10 +72,10 @@ def test_fp8_checkpoint_loads_close_to_unquantised(tmp_path: Path, seed: int) ->
         assert raw[never].dtype != torch.float8_e4m3fn and never + ".qscale_weight" not in raw
     loaded = load_model(tmp_path)
     ref = model.state_dict()
-    for name, t in loaded.state_dict().items():
-        disk = name.replace(".moe.", ".")
-        if disk + ".qscale_weight" in raw:
-            assert torch.equal(t, loop_dequant(raw[disk], raw[disk + ".qscale_weight"], (16, 16))), name
+    for name, t in loaded.state_dict().items():   # FP8 weights and their scales as stored, the rest as saved
+        disk = name.replace(".moe.", ".").replace(".weight_scale", ".weight.qscale_weight")
+        if disk.endswith(".qscale_weight") or disk + ".qscale_weight" in raw:
+            assert t.dtype == raw[disk].dtype and torch.equal(t, raw[disk]), name
         else:
             assert torch.equal(t, ref[name]), name
     # logits: 8 tokens = k keeps attention dense; past k the spec init's near-uniform indexer scores let fp8 noise

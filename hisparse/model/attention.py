@@ -16,6 +16,7 @@ from .batch import ForwardTrace
 from .config import LayerSpec, ModelConfig
 from .indexer import Indexer, ssmax_gain
 from .kv import LatentKV
+from .linear import Linear
 from .norm import RMSNorm
 from .rope import LeRoPE, apply_rope, rope_cos_sin, rope_frequencies
 
@@ -49,12 +50,12 @@ class MLA(nn.Module):
         self.cfg, self.spec = cfg, spec
         H, r = cfg.n_heads, cfg.kv_lora_rank
         self.q_head_dim, self.scale = cfg.q_head_dim(spec), cfg.softmax_scale(spec)
-        self.wq = nn.Linear(cfg.dim, H * self.q_head_dim, bias=False)
+        self.wq = Linear(cfg.dim, H * self.q_head_dim, bias=False)
         if spec.kv_owner:
-            self.wkv_a_with_mqa = nn.Linear(cfg.dim, r + (cfg.qk_rope_head_dim if spec.rope else 0), bias=False)
+            self.wkv_a_with_mqa = Linear(cfg.dim, r + (cfg.qk_rope_head_dim if spec.rope else 0), bias=False)
             self.kv_a_norm = RMSNorm(r, cfg.norm_eps)
-        self.wkv_b = nn.Linear(r, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
-        self.wo = nn.Linear(H * cfg.v_head_dim, cfg.dim, bias=False)
+        self.wkv_b = Linear(r, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.wo = Linear(H * cfg.v_head_dim, cfg.dim, bias=False)
         self.ssmax_scaling = nn.Parameter(torch.zeros(H, 2)) if cfg.ssmax_attention else None
         self.lerope = LeRoPE(cfg.qk_rope_head_dim) if (cfg.lerope_per_layer and spec.rope) else None
         self.indexer = Indexer(cfg, spec) if spec.index_owner else None
@@ -86,7 +87,7 @@ class MLA(nn.Module):
             g = ssmax_gain(self.ssmax_scaling, b.positions, x.dtype)[..., None]    # [N, H, 1]
             q_nope, q_rope = q_nope * g, (q_rope * g if q_rope is not None else None)
         selections = self.select(x, b, cos, sin)                                  # [N, k]
-        w_kvb = self.wkv_b.weight.view(H, dN + cfg.v_head_dim, r)
+        w_kvb = self.wkv_b.dequantized(x.dtype).view(H, dN + cfg.v_head_dim, r)   # [H, dN + dV, r]
         q_lat = torch.einsum("thd,hdc->thc", q_nope, w_kvb[:, :dN])                 # [N, H, r]
         olat, _ = b.kv.attend(spec.index, q_lat, q_rope, b.seg, selections, self.scale)
         o = torch.einsum("thc,hvc->thv", olat, w_kvb[:, dN:])                        # [N, H, dV]

@@ -18,6 +18,7 @@ from torch import nn
 from .kv import sparse_mla
 from .config import ConfigError, ModelConfig
 from .indexer import ssmax_gain
+from .linear import Linear
 from .moe import SwiGLU
 from .norm import RMSNorm
 from .rope import apply_rope, rope_cos_sin, rope_frequencies
@@ -93,18 +94,18 @@ class DraftAttention(nn.Module):
         super().__init__()
         self.cfg = cfg
         H, r, dN, dR, dV = cfg.n_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-        self.wq = nn.Linear(cfg.dim, H * (dN + dR), bias=False)
-        self.wkv_a_with_mqa = nn.Linear(cfg.dim, r + dR, bias=False)
+        self.wq = Linear(cfg.dim, H * (dN + dR), bias=False)
+        self.wkv_a_with_mqa = Linear(cfg.dim, r + dR, bias=False)
         self.kv_a_norm = RMSNorm(r, cfg.norm_eps)
-        self.wkv_b = nn.Linear(r, H * (dN + dV), bias=False)
-        self.wo = nn.Linear(H * dV, cfg.dim, bias=False)
+        self.wkv_b = Linear(r, H * (dN + dV), bias=False)
+        self.wo = Linear(H * dV, cfg.dim, bias=False)
         self.ssmax_scaling: nn.Parameter | None = None
         self.scale = (dN + dR) ** -0.5
 
     def enable_ssmax(self) -> None:
         """The checkpoint carries this layer's `ssmax_scaling` [H, 2]: apply SSMax (§3.4) to its queries."""
-        self.ssmax_scaling = nn.Parameter(torch.zeros(self.cfg.n_heads, 2, dtype=self.wq.weight.dtype,
-                                                      device=self.wq.weight.device))
+        norm = self.kv_a_norm.weight   # the model's plain dtype and device (wq may hold FP8)
+        self.ssmax_scaling = nn.Parameter(torch.zeros(self.cfg.n_heads, 2, dtype=norm.dtype, device=norm.device))
 
     def latents(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, D] -> rows [T, r + dR]: c = RMSNorm(a[:r]; kv_a_norm), k_rope = R(p) a[r:]."""
@@ -128,7 +129,7 @@ class DraftAttention(nn.Module):
             q_nope, q_rope = q_nope * g, q_rope * g
         keys = torch.cat((ctx.to(x.dtype), self.latents(flat, cos, sin).view(B, N, -1)), dim=1)   # [B, S+N, w]
         valid = torch.cat((ctx_valid, ctx_valid.new_ones(B, N, N)), dim=2)                        # [B, N, S+N]
-        w_kvb = self.wkv_b.weight.view(H, dN + cfg.v_head_dim, r)
+        w_kvb = self.wkv_b.dequantized(x.dtype).view(H, dN + cfg.v_head_dim, r)
         q_lat = torch.einsum("thd,hdc->thc", q_nope, w_kvb[:, :dN])                               # [B*N, H, r]
         rows = keys[:, None].expand(B, N, *keys.shape[1:]).reshape(B * N, keys.shape[1], -1)
         olat, _ = sparse_mla(q_lat, q_rope, rows, valid.reshape(B * N, -1), self.scale, r)
@@ -159,8 +160,8 @@ class MarkovHead(nn.Module):
         super().__init__()
         R = cfg.mtp.markov_rank
         self.embed = nn.Embedding(cfg.vocab_size, R)
-        self.gate = nn.Linear(2 * R, R, bias=True)
-        self.proj = nn.Linear(R, cfg.vocab_size, bias=False)
+        self.gate = Linear(2 * R, R, bias=True)
+        self.proj = Linear(R, cfg.vocab_size, bias=False)
 
     def forward(self, y_prev: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """y_prev [B] previous token, s [B, R] state -> (new state [B, R], logit bias [B, V])."""
@@ -185,7 +186,7 @@ class DSpark(nn.Module):
                 raise ConfigError(f"params.json: 'mtp.{key}' = {getattr(mtp, key)!r} is not supported "
                                   "(DSpark: method 'dspark', gated_rnn Markov head, sample_from_anchor true)")
         self.cfg = cfg
-        self.context_proj = nn.Linear(len(mtp.target_layer_ids) * cfg.dim, cfg.dim, bias=False)
+        self.context_proj = Linear(len(mtp.target_layer_ids) * cfg.dim, cfg.dim, bias=False)
         self.context_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mask_embeddings = nn.Parameter(torch.zeros(mtp.block_size - 1, cfg.dim))
         self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(mtp.n_layers))
@@ -289,8 +290,8 @@ class DSparkDrafter:
         positions = pos.to(dev)[:, None] + torch.arange(n, device=dev)                      # [B, n]
         ctx, ctx_pos = zip(*(self.cache.read(r) for r in reqs))
         g = m.block(x0, positions, *self._rope(positions), torch.stack(ctx), torch.stack(ctx_pos))   # [B, n, D]
-        head = self.target.tok_embeddings.weight if self.target.output is None else self.target.output.weight
-        u = F.linear(g, head)
+        t = self.target
+        u = F.linear(g, t.tok_embeddings.weight) if t.output is None else t.output(g)
         return m.draft(u.float() if u.dtype != torch.float64 else u, anchors, sample)
 
     def truncate(self, req: Hashable, length: int) -> None:

@@ -13,6 +13,7 @@ from torch import nn
 
 from .config import ModelConfig, LayerSpec
 from .kernels import indexer_topk
+from .linear import Linear
 from .norm import LayerNorm
 from .rope import apply_rope
 
@@ -114,10 +115,10 @@ class Indexer(nn.Module):
         self.rope_dim = cfg.qk_rope_head_dim if spec.rope else 0
         self.interleave = cfg.indexer_rope_interleave
         self.q_norm = LayerNorm(cfg.dim)
-        self.wq_b = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, self.head_dim, bias=False)
+        self.wq_b = Linear(cfg.dim, self.n_heads * self.head_dim, bias=False)
+        self.wk = Linear(cfg.dim, self.head_dim, bias=False)
         self.k_norm = LayerNorm(self.head_dim)
-        self.weights_proj = nn.Linear(cfg.dim, self.n_heads, bias=False)
+        self.weights_proj = Linear(cfg.dim, self.n_heads, bias=False)
         self.ssmax_scaling = nn.Parameter(torch.zeros(self.n_heads, 2)) if cfg.ssmax_indexer else None
 
     def keys(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:

@@ -10,6 +10,7 @@ from .batch import ForwardTrace, Segment, segment_positions
 from .config import LayerSpec, ModelConfig
 from .dspark import DSpark
 from .kv import LatentKV
+from .linear import Linear
 from .moe import MoE, SwiGLU
 from .norm import RMSNorm
 from .rope import LeRoPE, rope_cos_sin, rope_frequencies
@@ -54,7 +55,7 @@ class ML4(nn.Module):
         self.lerope = LeRoPE(cfg.qk_rope_head_dim)
         self.layers = nn.ModuleList(Block(cfg, spec) for spec in cfg.layers)
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.output = None if cfg.tied_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.output = None if cfg.tied_embeddings else Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.mtp_dspark = DSpark(cfg) if cfg.mtp else None   # the drafter (`mtp_dspark.*`); not run by forward
         # From the last layer that caches anything (latents or indexer keys), only rows that need logits matter
         self.last_writer = max(s.index for s in cfg.layers if s.kv_owner or s.index_owner)
@@ -69,8 +70,8 @@ class ML4(nn.Module):
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm, output head and soft cap: h [n, D] -> logits [n, V] (fp32, or fp64 in tests)."""
-        w = self.tok_embeddings.weight if self.output is None else self.output.weight
-        z = torch.nn.functional.linear(self.norm(h), w)
+        x = self.norm(h)
+        z = torch.nn.functional.linear(x, self.tok_embeddings.weight) if self.output is None else self.output(x)
         z = z.float() if z.dtype != torch.float64 else z
         cap = self.cfg.logit_softcap
         return cap * torch.tanh(z / cap) if cap else z

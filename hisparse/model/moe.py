@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .linear import Linear
 
 
 class SwiGLU(nn.Module):
@@ -14,9 +15,9 @@ class SwiGLU(nn.Module):
 
     def __init__(self, dim: int, hidden: int):
         super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w1 = Linear(dim, hidden, bias=False)
+        self.w2 = Linear(hidden, dim, bias=False)
+        self.w3 = Linear(dim, hidden, bias=False)
 
     def forward(self, y: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(y)) * self.w3(y))
@@ -40,7 +41,7 @@ class MoE(nn.Module):
         super().__init__()
         m = cfg.moe
         self.top_k, self.routed_scale = m.num_experts_per_tok, m.routed_scale
-        self.gate = nn.Linear(cfg.dim, m.num_experts, bias=False)
+        self.gate = Linear(cfg.dim, m.num_experts, bias=False)
         self.experts = nn.ModuleList(SwiGLU(cfg.dim, m.expert_hidden_dim) for _ in range(m.num_experts))
         self.shared_experts = SwiGLU(cfg.dim, m.expert_hidden_dim * m.num_shared_experts)
 

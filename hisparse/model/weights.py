@@ -1,8 +1,11 @@
 """Mistral-native checkpoints: params.json + consolidated*.safetensors (single file or sharded with an index).
 
-FP8 e4m3 weights carry a sibling `<name>.qscale_weight` [ceil(out/B), ceil(in/B)] and are dequantised at load by
-*multiplying* each B x B block by its scale (spec §2.2). Model parameter names equal checkpoint names except that
-MoE tensors live under `layers.N.moe.` in the module tree and under `layers.N.` on disk.
+Weights stay in checkpoint precision: FP8 e4m3 weights with their sibling `<name>.qscale_weight`
+[ceil(out/B), ceil(in/B)] load as FP8 `Linear`s (W = W8 * scale per B x B block, spec §2.2, applied inside the
+matmul), bf16 tensors stay bf16 when the model computes in bf16. Loading streams: the model is built on the meta
+device and each parameter is read by slice, cast and placed on its device before the next is read. Model parameter
+names equal checkpoint names except that MoE tensors live under `layers.N.moe.` in the module tree and under
+`layers.N.` on disk, and an FP8 weight's `weight_scale` is `weight.qscale_weight` on disk.
 """
 
 from __future__ import annotations
@@ -10,14 +13,17 @@ from __future__ import annotations
 import json
 import re
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import nn
+from tqdm import tqdm
 
 from .config import ModelConfig
+from .linear import FP8, Linear, weight_quant
 from .ml4 import ML4
 
 SKIPPED_PREFIXES = ("vision_encoder.", "vision_language_adapter.", "patch_merger.", "pre_mm_projector_norm.")
@@ -37,34 +43,20 @@ class CheckpointError(ValueError):
 
 
 def to_checkpoint_name(name: str) -> str:
-    return _MOE.sub(r"\1", name)
+    name = _MOE.sub(r"\1", name)
+    return name.removesuffix(".weight_scale") + ".weight" + QSCALE if name.endswith(".weight_scale") else name
 
 
 def from_checkpoint_name(name: str) -> str:
-    return _MOE_DISK.sub(r"\1moe.\2.", name)
-
-
-def dequantize_fp8(w8: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """W[i, j] = float(W8[i, j]) * S[i // B0, j // B1] (edge blocks partial)."""
-    out, inp = w8.shape
-    s = scale.float().repeat_interleave(block[0], 0)[:out].repeat_interleave(block[1], 1)[:, :inp]
-    return w8.float() * s
-
-
-def quantize_fp8(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-scaled fp8 e4m3 (scale = block amax / 448) -> (W8, qscale_weight); inverse of dequantize_fp8."""
-    out, inp = w.shape
-    b0, b1 = block
-    pad = torch.zeros(-(-out // b0) * b0, -(-inp // b1) * b1, dtype=torch.float32)
-    pad[:out, :inp] = w.float()
-    tiles = pad.view(pad.shape[0] // b0, b0, pad.shape[1] // b1, b1)
-    scale = (tiles.abs().amax(dim=(1, 3)) / 448.0).clamp_min(torch.finfo(torch.float32).tiny)
-    w8 = (tiles / scale[:, None, :, None]).view_as(pad)[:out, :inp].to(torch.float8_e4m3fn)
-    return w8, scale
+    name = _MOE_DISK.sub(r"\1moe.\2.", name)
+    return name.removesuffix(".weight" + QSCALE) + ".weight_scale" if name.endswith(".weight" + QSCALE) else name
 
 
 class ShardedTensors:
-    """Read-only view of consolidated*.safetensors (one file, several, or an index json's weight_map)."""
+    """Read-only view of consolidated*.safetensors (one file, several, or an index json's weight_map).
+
+    Tensors are read by slice from the memory-mapped files (`safe_open(...).get_slice`): a read copies only the
+    region asked for, so a reader of part of a tensor (a tensor-parallel rank, an expert subset) reads that part."""
 
     def __init__(self, model_dir: Path):
         index = sorted(model_dir.glob("consolidated*.safetensors.index.json"))
@@ -84,50 +76,115 @@ class ShardedTensors:
     def keys(self) -> Iterator[str]:
         return iter(self.where)
 
-    def get(self, name: str) -> torch.Tensor:
-        return self.where[name].get_tensor(name)
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.where[name].get_slice(name).get_shape())
+
+    def read(self, name: str, region: Region | None = None) -> torch.Tensor:
+        """The tensor, or only `region` of it (one slice per leading dim), as a new host tensor."""
+        view = self.where[name].get_slice(name)
+        return view[region] if region else view[:]
 
 
-def load_tensor(ckpt: ShardedTensors, name: str, block: tuple[int, int]) -> torch.Tensor:
-    """One tensor in fp32, dequantised if it has a sibling qscale_weight."""
-    t = ckpt.get(name)
-    if name + QSCALE in ckpt:
-        return dequantize_fp8(t, ckpt.get(name + QSCALE), block)
-    if t.dtype == torch.float8_e4m3fn:
-        raise CheckpointError(f"tensor '{name}' is fp8 but has no '{name}{QSCALE}'")
-    return t.float()
+Region = tuple[slice, ...]
+# (model parameter name, its full checkpoint shape) -> the region of it to load (a slice per leading dim, steps
+# of 1; FP8 weights block-aligned), or None for all of it. The loaded parameter has the region's shape.
+Select = Callable[[str, tuple[int, ...]], "Region | None"]
 
 
-def load_model(model_dir: str | Path, device: torch.device | str = "cpu",
-               dtype: torch.dtype = torch.float32) -> ML4:
-    """Build ML4 from params.json and load every tensor it implies; errors name the offending tensor."""
+def region_shape(region: Region | None, shape: tuple[int, ...]) -> tuple[int, ...]:
+    if not region:
+        return shape
+    for s in region:
+        if s.step not in (None, 1):
+            raise ValueError(f"region {region}: slices must have step 1")
+    return tuple(len(range(*s.indices(n))) for s, n in zip(region, shape)) + shape[len(region):]
+
+
+def scale_region(name: str, region: Region | None, shape: tuple[int, ...], block: tuple[int, int]) -> Region | None:
+    """The block-scale rows/columns an FP8 weight region needs; its starts (and stops, but for the edge) must
+    fall on block boundaries, so that the region's blocks are whole checkpoint blocks."""
+    if not region:
+        return None
+    out = []
+    for s, n, b in zip(region, shape, block):
+        start, stop, _ = s.indices(n)
+        if start % b or (stop % b and stop != n):
+            raise CheckpointError(f"tensor '{name}': region {region} is not aligned to its fp8 blocks {list(block)}")
+        out.append(slice(start // b, -(-stop // b)))
+    return tuple(out)
+
+
+def held_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """Dtype a plain (non-FP8) checkpoint tensor is held in when the model computes in `dtype`: the spec's fp32
+    tensors (router, SSMax, LeRoPE, indexer head weights) never below fp32, every other in `dtype` (bf16 stays
+    bf16 under bf16; float32/float64 are the exactness and training modes)."""
+    return torch.promote_types(torch.float32, dtype) if F32_TENSORS.search(name) else dtype
+
+
+def load_weights(model: nn.Module, ckpt: ShardedTensors, block: tuple[int, int], device: torch.device | str,
+                 dtype: torch.dtype, select: Select | None = None, progress: bool = True) -> None:
+    """Fill every parameter of `model` (built on the meta device, so nothing is allocated twice) from `ckpt`, one
+    tensor region at a time: read by slice, cast to its held dtype, moved to `device`, then dropped from the host.
+    Tensors with a `.qscale_weight` stay FP8 (their `Linear` takes weight + block scales). Host memory beyond the
+    model held there peaks at about one region (plus its cast). Errors name the tensor."""
+    params = list(model.named_parameters())
+    total = sum(p.numel() for _, p in params)
+    with tqdm(total=total, unit="param", unit_scale=True, desc="loading weights", disable=None if progress else True,
+              leave=False) as bar:
+        for pname, param in params:
+            name = to_checkpoint_name(pname)
+            if name not in ckpt:
+                raise CheckpointError(f"missing tensor '{name}' (expected shape {list(param.shape)})")
+            shape = ckpt.shape(name)
+            region = select(pname, shape) if select else None
+            got = region_shape(region, shape)
+            if got != tuple(param.shape):
+                raise CheckpointError(f"tensor '{name}': shape {list(got)}, expected {list(param.shape)}")
+            owner, _, attr = pname.rpartition(".")
+            module = model.get_submodule(owner)
+            t = ckpt.read(name, region)
+            if name + QSCALE in ckpt:
+                if not (isinstance(module, Linear) and attr == "weight") or t.dtype != FP8:
+                    raise CheckpointError(f"tensor '{name}' ({t.dtype}) has a '{QSCALE}' but is not an fp8 "
+                                          "linear weight")
+                scale = ckpt.read(name + QSCALE, scale_region(name, region, shape, block))
+                try:
+                    module.to_fp8(t.to(device), scale.to(device=device, dtype=torch.float32), block)
+                except ValueError as e:
+                    raise CheckpointError(f"tensor '{name}': {e}") from None
+            elif t.dtype == FP8:
+                raise CheckpointError(f"tensor '{name}' is fp8 but has no '{name}{QSCALE}'")
+            else:
+                module.register_parameter(attr, nn.Parameter(t.to(device=device, dtype=held_dtype(name, dtype)),
+                                                             requires_grad=param.requires_grad))
+            del t
+            bar.update(param.numel())
+
+
+def load_model(model_dir: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+               select: Select | None = None, progress: bool = True) -> ML4:
+    """Build ML4 from params.json and stream in every tensor it implies (see `load_weights`; `select` picks the
+    region of each parameter to load); errors name the offending tensor."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.load(model_dir)
     block = cfg.quantization.weight_block_size if cfg.quantization else (128, 128)
     ckpt = ShardedTensors(model_dir)
-    model = ML4(cfg)
+    with torch.device("meta"):
+        model = ML4(cfg)
     skipped = SKIPPED_PREFIXES if model.mtp_dspark is not None else SKIPPED_PREFIXES + (DRAFTER_PREFIX,)
     for name in ckpt.keys():   # the drafter's optional per-layer SSMax (spec §5.2): present -> applied
         m = DRAFT_SSMAX.match(name)
         if m and model.mtp_dspark is not None and int(m[1]) < len(model.mtp_dspark.layers):
             model.mtp_dspark.layers[int(m[1])].attention.enable_ssmax()
-    expected = {to_checkpoint_name(n): p for n, p in model.state_dict().items()}
+    expected = {to_checkpoint_name(n) for n, _ in model.named_parameters()}
     for name in ckpt.keys():
         base = name.removesuffix(QSCALE).removesuffix(QSCALE_ACT)
         if name.startswith(skipped) or (base != name and base in expected):
             continue
         if name not in expected:
             raise CheckpointError(f"unexpected tensor '{name}' (not implied by params.json)")
-    state = {}
-    for name, param in expected.items():
-        if name not in ckpt:
-            raise CheckpointError(f"missing tensor '{name}' (expected shape {list(param.shape)})")
-        t = load_tensor(ckpt, name, block)
-        if t.shape != param.shape:
-            raise CheckpointError(f"tensor '{name}': shape {list(t.shape)}, expected {list(param.shape)}")
-        state[from_checkpoint_name(name)] = t
-    model.load_state_dict(state)
-    return model.to(device=device, dtype=dtype).eval()
+    load_weights(model, ckpt, tuple(block), device, dtype, select, progress)
+    return model.eval()
 
 
 def checkpoint_dtype(name: str) -> torch.dtype:
@@ -151,8 +208,10 @@ def save_model(model: ML4, model_dir: str | Path, fp8_block: tuple[int, int] | N
     for name, t in list(model.state_dict().items()) + list((extra or {}).items()):
         name = to_checkpoint_name(name)
         t = t.detach().cpu()
-        if fp8_block is not None and t.dim() == 2 and not NEVER_QUANTISED.search(name):
-            out[name], out[name + QSCALE] = quantize_fp8(t, fp8_block)
+        if t.dtype == FP8 or name.endswith(QSCALE):   # an FP8 linear of a loaded model: as it was stored
+            out[name] = t.contiguous()
+        elif fp8_block is not None and t.dim() == 2 and not NEVER_QUANTISED.search(name):
+            out[name], out[name + QSCALE] = weight_quant(t, fp8_block)
         else:
             out[name] = t.to(checkpoint_dtype(name)).contiguous()
     path = model_dir / "consolidated.safetensors"
