@@ -5,12 +5,24 @@ Every run draws a fresh seed (printed in the pytest header); set HISPARSE_TEST_S
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 from pathlib import Path
 
 import pytest
 import torch
+
+# Without CUDA the Triton kernels run on CPU tensors under Triton's interpreter. Triton chooses compiled or
+# interpreted for each function when it is decorated (its own library included), so the variable is set before
+# anything imports triton, every kernel module is imported, and the variable is removed again so that the
+# subprocesses tests start (servers, vLLM, ahead-of-time compilation) run as users would.
+if (not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ
+        and importlib.util.find_spec("triton") is not None):
+    os.environ["TRITON_INTERPRET"] = "1"
+    import hisparse.triton_kernels  # noqa: E402,F401
+    import triton.experimental.gluon  # noqa: E402,F401  (imported lazily at the first launch otherwise)
+    del os.environ["TRITON_INTERPRET"]
 
 from hisparse.model.batch import ForwardTrace, Segment
 from hisparse.model.config import preset_params
