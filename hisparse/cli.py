@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from .engine.kv_settings import KVSettings, KVSettingsError
+from .host_pool.layout import LAYOUTS
 
 API_KEY_ENV = "HISPARSE_API_KEY"   # `hisparse serve`'s API key when --api-key is not given (as vLLM's VLLM_API_KEY)
 
@@ -130,7 +131,7 @@ def cmd_logits(args: argparse.Namespace) -> None:
     from .model.weights import load_model
     model = load_model(model_dir(args.model, tokenizer=False, builtin_note=False), device=args.device)
     ids = _ids(args.prompt_ids, model.cfg.vocab_size)
-    kv = ResidentKV(model.cfg, layout=None, device=args.device)
+    kv = ResidentKV(model.cfg, layout=args.kv_layout, device=args.device)
     logits = model(torch.tensor(ids, device=args.device), [Segment(0, 0, len(ids))], kv)
     np.save(args.out, logits.float().cpu().numpy())
     print(f"wrote logits {tuple(logits.shape)} to {args.out}")
@@ -176,6 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="checkpoint dir (default: the built-in tiny checkpoint)")
     p.add_argument("--prompt-ids", required=True, help="prompt as comma-separated token ids")
     p.add_argument("--out", required=True, help=".npy file to write")
+    p.add_argument("--kv-layout", default=None, choices=LAYOUTS,
+                   help="store the KV in this row format, as `serve` does (default: unquantised)")
     p.add_argument("--device", default="cpu", help="compute device (default: %(default)s)")
     p.set_defaults(fn=cmd_logits)
 

@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable
 
 from ..engine.engine import Engine
-from ..engine.request import Request
+from ..engine.request import Request, TokenLogprobs
 from ..engine.runner import ModelRunner, ScheduledStep, SegmentOutput, StepResult
 from ..engine.spec_decode import Speculator
 from ..engine.speculative import Proposer, SpeculativeConfig
@@ -98,9 +98,9 @@ class DCPEngine(Engine):
         super()._preempted(req)
 
     def _finish(self, req: Request, reason: str, new: list[int] | None = None, delta: str = "",
-                error: str | None = None) -> None:
+                error: str | None = None, **logprobs: list[TokenLogprobs] | None) -> None:
         self.leader.record(("release", req.id))
-        super()._finish(req, reason, new, delta, error)
+        super()._finish(req, reason, new, delta, error, **logprobs)
 
     def _die(self, err: DCPError) -> None:
         why = self.diagnose() if self.diagnose is not None else ""

@@ -54,6 +54,9 @@ class ReplayStep(ScheduledStep):
     def logit_rows(self) -> list[int]:
         return list(self.rows)
 
+    def sample_rows(self) -> list[int]:
+        return list(self.rows)   # followers read no logits: the split only has to match logit_rows
+
     def only(self, i: int) -> "ReplayStep":
         return ReplayStep([self.reqs[i]], [self.segments[i]], [self.num_drafts[i]], [[]], [None], [self.tokens[i]],
                           [self.rows[i]])

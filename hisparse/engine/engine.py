@@ -28,9 +28,9 @@ from ..model.dspark import DSparkDrafter
 from ..model.kv import KVStats, LatentKV
 from ..model.ml4 import ML4
 from .detokenizer import TextStream
-from .request import Request, RequestError, RequestOutput, SamplingParams, Status
-from .runner import ModelRunner
-from .sampling import SamplingBatch, sample
+from .request import Request, RequestError, RequestOutput, SamplingParams, Status, TokenLogprobs
+from .runner import ModelRunner, SegmentOutput
+from .sampling import SamplingBatch, sample, token_logprobs
 from .scheduler import Scheduler, SchedulerConfig
 from .spec_decode import Speculator
 from .speculative import Proposer, SpeculativeConfig
@@ -177,17 +177,24 @@ class Engine:
             for o in result.ok:
                 o.req.num_computed += kept[o.index]
                 stats.prompt_tokens += max(0, min(o.req.num_computed, len(o.req.prompt)) - o.segment.start)
+            self._prompt_logprobs([o for o in result.ok if o.prompt_logits is not None])
             plain = [o for o in result.ok if o.logits is not None and o.index not in emitted]
+            logprobs: dict[int, list[TokenLogprobs]] = {}   # segment index -> its sampled token's logprobs
             if plain:
                 logits = torch.cat([o.logits for o in plain])
-                tokens = sample(logits, SamplingBatch.from_requests([o.req for o in plain], self.vocab,
-                                                                    logits.device)).tolist()
-                emitted.update((o.index, [t]) for o, t in zip(plain, tokens))
+                sampled = sample(logits, SamplingBatch.from_requests([o.req for o in plain], self.vocab,
+                                                                     logits.device, self.eos_id))
+                emitted.update((o.index, [t]) for o, t in zip(plain, sampled.tolist()))
+                asked = [j for j, o in enumerate(plain) if o.req.params.logprobs is not None]
+                if asked:
+                    rows = torch.tensor(asked, device=logits.device)
+                    lps = token_logprobs(logits[rows], sampled[rows], [plain[j].req.params.logprobs for j in asked])
+                    logprobs.update((plain[j].index, [lp]) for j, lp in zip(asked, lps))
             now = time.monotonic()
             for o in result.ok:
                 if o.index in emitted:
                     try:
-                        self._append(o.req, emitted[o.index], now, stats)
+                        self._append(o.req, emitted[o.index], now, stats, logprobs.get(o.index, []))
                     except Exception as e:   # noqa: BLE001 - its detokenising or stop handling: this request only
                         log.exception("request %s failed", o.req.id)
                         self._finish(o.req, "error", error=f"{type(e).__name__}: {e}")
@@ -205,10 +212,31 @@ class Engine:
             self.on_step(stats)
         return stats
 
-    def _append(self, req: Request, tokens: list[int], now: float, stats: StepStats) -> None:
+    def _prompt_logprobs(self, outs: list[SegmentOutput]) -> None:
+        """Extend each request's prompt logprobs by the prompt tokens its chunk's rows predict (row of position j
+        -> prompt token j + 1), for all chunks in one batched pass."""
+        rows, targets, ks, spans = [], [], [], []
+        for o in outs:
+            req, first = o.req, o.segment.start
+            lo, hi = len(req.prompt_logprobs), min(first + o.segment.length, len(req.prompt) - 1)
+            rows.append(o.prompt_logits[lo - first:hi - first])
+            targets += req.prompt[lo + 1:hi + 1]
+            ks += [req.params.prompt_logprobs] * (hi - lo)
+            spans.append((req, hi - lo))
+        if not targets:
+            return
+        logits = torch.cat(rows)
+        lps = token_logprobs(logits, torch.tensor(targets, device=logits.device), ks)
+        for req, n in spans:
+            req.prompt_logprobs += lps[:n]
+            lps = lps[n:]
+
+    def _append(self, req: Request, tokens: list[int], now: float, stats: StepStats,
+                logprobs: list[TokenLogprobs]) -> None:
         """Append one step's new tokens, stopping after the first that ends the request (as if they had come one
-        per step), and deliver them as one output."""
+        per step), and deliver them as one output (with the tokens' logprobs, and the prompt's with the first)."""
         p = req.params
+        prompt_lps = req.prompt_logprobs if not req.output else []
         stream = self.streams.get(req.id)
         new, delta, reason = [], "", None
         for tok in tokens:
@@ -233,10 +261,11 @@ class Engine:
         req.last_token_time = now
         stats.generation_tokens += len(new)
         if reason:
-            self._finish(req, reason, new, delta)
+            self._finish(req, reason, new, delta, logprobs=logprobs[:len(new)], prompt_logprobs=prompt_lps)
         else:
             self._deliver(req, RequestOutput(req.id, new, delta, prompt_tokens=len(req.prompt),
-                                             output_tokens=len(req.output)))
+                                             output_tokens=len(req.output), logprobs=logprobs,
+                                             prompt_logprobs=prompt_lps))
 
     def _preempted(self, req: Request) -> None:
         """A request's KV was freed to make room (it recomputes later): drop its drafter state too."""
@@ -251,7 +280,8 @@ class Engine:
             log.exception("sink of request %s failed", req.id)
 
     def _finish(self, req: Request, reason: str, new: list[int] | None = None, delta: str = "",
-                error: str | None = None) -> None:
+                error: str | None = None, logprobs: list[TokenLogprobs] | None = None,
+                prompt_logprobs: list[TokenLogprobs] | None = None) -> None:
         """End a request: free its KV, then deliver the final output (remaining text included)."""
         self.scheduler.remove(req)
         if self.speculator is not None:
@@ -263,7 +293,7 @@ class Engine:
             delta += stream.flush()
         self._finished.append(reason)
         self._deliver(req, RequestOutput(req.id, new or [], delta, True, reason, error, len(req.prompt),
-                                         len(req.output)))
+                                         len(req.output), logprobs or [], prompt_logprobs or []))
 
     def _fail_all(self, err: Exception) -> None:
         for req in list(self.scheduler.running) + list(self.scheduler.waiting):

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import enum
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+MAX_LOGPROBS = 20   # the most alternatives per token a request may ask for (vLLM's default max_logprobs)
 
 
 class RequestError(ValueError):
@@ -30,6 +33,26 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     forced_token_ids: tuple[int, ...] = ()   # debug hook: the first outputs are these ids (parser tests)
+    # vLLM's extensions (its semantics and ranges; sampling.py applies them)
+    repetition_penalty: float = 1.0          # > 0; 1 = off
+    presence_penalty: float = 0.0            # [-2, 2]
+    frequency_penalty: float = 0.0           # [-2, 2]
+    min_p: float = 0.0                       # [0, 1]
+    min_tokens: int = 0                      # stop ids and EOS are masked until this many outputs
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias) pairs added to the logits
+    logprobs: int | None = None              # top alternatives per output token (0: the token's own only)
+    prompt_logprobs: int | None = None       # the same for every prompt token after the first
+
+    @property
+    def penalized(self) -> bool:
+        """Any processor that changes the logits before sampling (min_tokens, logit_bias, penalties)."""
+        return bool(self.min_tokens or self.logit_bias or self.repetition_penalty != 1.0
+                    or self.presence_penalty or self.frequency_penalty)
+
+    @property
+    def plain(self) -> bool:
+        """Neither processors, min_p nor logprobs: the request can take the sampler's fast path or drafts."""
+        return not (self.penalized or self.min_p or self.logprobs is not None or self.prompt_logprobs is not None)
 
     def validate(self, vocab_size: int) -> None:
         """Raise RequestError naming the first out-of-range field."""
@@ -49,6 +72,25 @@ class SamplingParams:
             bad = [t for t in getattr(self, name) if not 0 <= t < vocab_size]
             if bad:
                 raise RequestError(f"{name}: ids {bad} outside the vocabulary [0, {vocab_size})", name)
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise RequestError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}",
+                               "repetition_penalty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise RequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}", name)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise RequestError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise RequestError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}",
+                               "min_tokens")
+        bad = [t for t, _ in self.logit_bias if not 0 <= t < vocab_size]
+        if bad:
+            raise RequestError(f"logit_bias: token ids {bad[:8]} outside the vocabulary [0, {vocab_size})",
+                               "logit_bias")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and not 0 <= n <= MAX_LOGPROBS:
+                raise RequestError(f"{name} must be in [0, {MAX_LOGPROBS}], got {n}", name)
 
 
 class Status(enum.Enum):
@@ -68,6 +110,18 @@ class RequestOutput:
     error: str | None = None
     prompt_tokens: int = 0
     output_tokens: int = 0
+    logprobs: list["TokenLogprobs"] = field(default_factory=list)          # per new token (when asked)
+    prompt_logprobs: list["TokenLogprobs"] = field(default_factory=list)   # prompt tokens 1.. (first output only)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One position's log-probabilities: the chosen token's, its rank (1 = most likely) and the top-k."""
+    token_id: int
+    logprob: float
+    rank: int
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
 
 
 @dataclass(eq=False)
@@ -83,6 +137,14 @@ class Request:
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     arrival: float = field(default_factory=time.monotonic)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)   # prompt tokens 1.. computed so far
+    _prompt_mask: torch.Tensor | None = None
+
+    def prompt_mask(self, vocab: int) -> torch.Tensor:
+        """[V] bool: the token ids of the prompt (computed once; the repetition penalty's prompt half)."""
+        if self._prompt_mask is None:
+            self._prompt_mask = torch.zeros(vocab, dtype=torch.bool).index_fill_(0, torch.tensor(self.prompt), True)
+        return self._prompt_mask
     first_token_time: float | None = None
     last_token_time: float | None = None
 
@@ -99,8 +161,9 @@ class Request:
     def num_drafts(self, limit: int) -> int:
         """Drafts a speculative step of this decoding request may verify: at most `limit`, none while forced ids
         remain (the debug hook fixes those outputs), and at most what the step could still emit before
-        max_tokens (accepted drafts + 1), so every draft position stays inside the request's reservation."""
-        if len(self.output) < len(self.params.forced_token_ids):
+        max_tokens (accepted drafts + 1), so every draft position stays inside the request's reservation. A
+        request with logits processors, min_p or logprobs decodes one token per step (the plain sampler)."""
+        if len(self.output) < len(self.params.forced_token_ids) or not self.params.plain:
             return 0
         return max(0, min(limit, self.params.max_tokens - len(self.output) - 1))
 

@@ -39,11 +39,18 @@ class ScheduledStep:
             out += r.token_slice(s.start, s.length - n) + d
         return out
 
-    def logit_rows(self) -> list[int]:
-        """Rows of each segment whose logits are needed: every row of a verify segment (anchor + drafts), the last
-        row of a segment ending at its request's last known token (a new token is sampled), none otherwise."""
+    def sample_rows(self) -> list[int]:
+        """Rows of each segment that sample: every row of a verify segment (anchor + drafts), the last row of a
+        segment ending at its request's last known token (a new token is sampled), none otherwise."""
         return [n + 1 if s.start + s.length - n == r.total_len else 0
                 for r, s, n in zip(self.reqs, self.segments, self.num_drafts)]
+
+    def logit_rows(self) -> list[int]:
+        """Rows of each segment whose logits the forward returns (its last ones): the sampling rows, or every row
+        of a prompt chunk whose request asks for prompt logprobs it does not have yet (not after a preemption)."""
+        return [s.length if r.params.prompt_logprobs is not None
+                and len(r.prompt_logprobs) < min(s.start + s.length, len(r.prompt) - 1) else k
+                for r, s, k in zip(self.reqs, self.segments, self.sample_rows())]
 
     def only(self, i: int) -> "ScheduledStep":
         """Segment i alone (drafts included)."""
@@ -57,8 +64,9 @@ class SegmentOutput:
     index: int                                  # the segment's index in its ScheduledStep
     req: Request
     segment: Segment
-    logits: torch.Tensor | None                 # [logit_rows, V] (None: a prefill chunk that samples nothing)
+    logits: torch.Tensor | None                 # [sample_rows, V] (None: a prefill chunk that samples nothing)
     taps: dict[int, torch.Tensor]               # tapped layer -> hidden states [segment.length, D] ({} untapped)
+    prompt_logits: torch.Tensor | None = None   # [segment.length, V]: every row (prompt logprobs asked), else None
 
 
 @dataclass
@@ -85,15 +93,17 @@ class ModelRunner:
     def forward(self, step: ScheduledStep, indices: list[int]) -> list[SegmentOutput]:
         """One forward over `step`; a SegmentOutput per segment (indices: their indices in the full step)."""
         dev = self.model.device
-        counts = step.logit_rows()
+        counts, samples = step.logit_rows(), step.sample_rows()
         lengths = [s.length for s in step.segments]
         at = row_index(lengths, counts).to(dev)
         trace = ForwardTrace(tap_layers=self.tap_layers) if self.tap_layers else None
         tokens = torch.tensor(step.token_ids(), dtype=torch.long, device=dev)
         logits = self.model(tokens, step.segments, self.kv, logits_at=at, trace=trace).split(counts)
         taps = {l: h.split(lengths) for l, h in trace.taps.items()} if trace is not None else {}
-        return [SegmentOutput(i, r, s, lg if k else None, {l: t[j] for l, t in taps.items()})
-                for j, (i, r, s, lg, k) in enumerate(zip(indices, step.reqs, step.segments, logits, counts))]
+        return [SegmentOutput(i, r, s, lg[len(lg) - k:] if k else None, {l: t[j] for l, t in taps.items()},
+                              lg if n > k else None)
+                for j, (i, r, s, lg, n, k) in enumerate(zip(indices, step.reqs, step.segments, logits, counts,
+                                                            samples))]
 
     def execute(self, step: ScheduledStep) -> StepResult:
         """Run the batch; if it fails, roll back and rerun each segment alone so only the failing ones fail."""

@@ -1,5 +1,5 @@
-"""The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions (streaming and not), /v1/models,
-/health and /metrics. Errors use OpenAI's shape {"error": {"message", "type", "param", "code"}}."""
+"""The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions (streaming and not, n choices, logprobs,
+echo), /v1/models, /health, /metrics, and vLLM's /tokenize, /detokenize and /version. Errors use OpenAI's shape {"error": {"message", "type", "param", "code"}}."""
 
 from __future__ import annotations
 
@@ -10,23 +10,28 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager, suppress
 from dataclasses import dataclass
+from importlib.metadata import version
+from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Body, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.engine import Engine
 from ..engine.request import RequestError, RequestOutput
 from .chat import ChatEncoder
-from .engine_client import AsyncEngine
+from .engine_client import AsyncEngine, merge_outputs, merged
 from .errors import APIError, error_body, error_response, validation_error
+from .logprobs import CompletionLogprobs, chat_logprobs, prompt_logprobs
 from .metrics import Metrics
 from .middleware import ApiKeyAuth, BodyGuard
 from .output_parser import MarkerIds, OutputParser, ParsedDelta
-from .protocol import ChatRequest, CompletionRequest, SamplingFields, Usage, now
+from .protocol import (ChatRequest, CompletionRequest, DetokenizeRequest, SamplingFields, TokenizeChatRequest,
+                       TokenizeCompletionRequest, Usage, now)
 
 log = logging.getLogger("hisparse.server")
 COMPLETION_DEFAULT_MAX_TOKENS = 16     # OpenAI's default for /v1/completions
@@ -51,17 +56,18 @@ class ServerConfig:
         return self.max_request_bytes if self.max_request_bytes is not None else (1 << 20) + 16 * self.max_model_len
 
 
-async def collect(request: Request, outputs: AsyncIterator[RequestOutput], each: Callable[[RequestOutput], None]
-                  ) -> RequestOutput | None:
-    """Consume a non-streaming request's outputs, passing each to `each`; returns the last one, or None if the
-    client disconnected first. Then the outputs are closed, which aborts the request in the engine, as a dropped
-    stream does: a client that gives up on a long prompt does not leave the server prefilling it for nobody (and a
-    graceful shutdown does not wait for it)."""
-    async def consume() -> RequestOutput | None:
-        last = None
+async def collect(request: Request, outputs: AsyncIterator[tuple[int, RequestOutput]],
+                  each: Callable[[int, RequestOutput], None]) -> dict[int, RequestOutput] | None:
+    """Consume a non-streaming request's outputs (choice index, output), passing each to `each`; returns the last
+    output of every choice, or None if the client disconnected first. Then the outputs are closed, which aborts
+    the requests in the engine, as a dropped stream does: a client that gives up on a long prompt does not leave
+    the server prefilling it for nobody (and a graceful shutdown does not wait for it)."""
+    async def consume() -> dict[int, RequestOutput]:
+        last: dict[int, RequestOutput] = {}
         async with aclosing(outputs) as stream:
-            async for last in stream:
-                each(last)
+            async for i, out in stream:
+                each(i, out)
+                last[i] = out
         return last
 
     task = asyncio.ensure_future(consume())
@@ -123,18 +129,25 @@ def build_app(engine: Engine, tokenizer: MistralTokenizer, cfg: ServerConfig) ->
         app.add_middleware(ApiKeyAuth, api_key=cfg.api_key)
 
     # ---- helpers ----
-    def check_common(req: SamplingFields) -> None:
-        if req.model and req.model != cfg.model_name:   # no model named: the one served
-            raise APIError(404, f"The model `{req.model}` does not exist; this server serves `{cfg.model_name}`.",
+    def check_model(model: str | None) -> None:
+        if model and model != cfg.model_name:   # no model named: the one served
+            raise APIError(404, f"The model `{model}` does not exist; this server serves `{cfg.model_name}`.",
                            "model", "model_not_found")
+
+    def check_common(req: SamplingFields) -> None:
+        check_model(req.model)
         if req.debug_forced_token_ids is not None and not cfg.debug_hooks:
             raise APIError(400, "debug_forced_token_ids: only accepted by a server started with --debug-hooks",
                            "debug_forced_token_ids")
 
-    def submit(prompt: list[int], req: SamplingFields, max_tokens: int, prefix: str
-               ) -> tuple[str, AsyncIterator[RequestOutput]]:
+    def submit(prompt: list[int], req: SamplingFields, max_tokens: int, prefix: str, logprobs: int | None = None,
+               prompt_logprobs: int | None = None) -> tuple[str, AsyncIterator[tuple[int, RequestOutput]]]:
+        """One engine request per choice (vLLM's seed + index each); returns the API request's id and the merged
+        outputs of its choices."""
         rid = f"{prefix}-{uuid.uuid4().hex}"
-        return rid, state["client"].submit(prompt, req.sampling_params(max_tokens), rid)
+        params = [req.sampling_params(max_tokens, logprobs, prompt_logprobs, seed) for seed in req.choice_seeds()]
+        streams = [state["client"].submit(prompt, p, f"{rid}-{i}") for i, p in enumerate(params)]
+        return rid, merged(streams)
 
     def failed(out: RequestOutput) -> APIError:
         return APIError(500, f"generation failed: {out.error}", code="internal_error", kind="server_error")
@@ -155,41 +168,103 @@ def build_app(engine: Engine, tokenizer: MistralTokenizer, cfg: ServerConfig) ->
         return {"object": "list", "data": [{"id": cfg.model_name, "object": "model", "created": now(),
                                             "owned_by": "hisparse", "max_model_len": cfg.max_model_len}]}
 
+    @app.get("/version")
+    async def server_version():
+        return {"version": version("hisparse")}
+
+    @app.post("/tokenize")
+    async def tokenize(body: dict[str, Any] = Body()):
+        try:   # the chat form when the body has messages (vLLM's union), validated as the routes' bodies are
+            req = (TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest).model_validate(body)
+        except ValidationError as e:
+            raise RequestValidationError(e.errors()) from None
+        check_model(req.model)
+        if isinstance(req, TokenizeChatRequest):
+            tokens = await asyncio.to_thread(chat_encoder.encode, req)
+        else:
+            tokens = await asyncio.to_thread(text_tok.encode, req.prompt, req.add_special_tokens, False)
+        out = {"count": len(tokens), "max_model_len": cfg.max_model_len, "tokens": tokens, "token_strs": None}
+        if req.return_token_strs:
+            out["token_strs"] = [text_tok.id_to_piece(t) for t in tokens]
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        check_model(req.model)
+        bad = [t for t in req.tokens if not 0 <= t < engine.vocab]
+        if bad:
+            raise APIError(400, f"tokens: ids {bad[:8]} outside the vocabulary [0, {engine.vocab})", "tokens")
+        return {"prompt": text_tok.decode(req.tokens)}
+
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         check_common(req)
         prompt = await asyncio.to_thread(text_tok.encode, req.prompt, True, False) if isinstance(req.prompt, str) \
             else req.prompt      # tokenising a long prompt must not block the event loop
-        rid, outputs = submit(prompt, req, req.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS, "cmpl")
+        prompt_only = req.max_tokens == 0     # echo without generation: the prompt and its logprobs alone
+        echo_logprobs = req.logprobs if req.echo and req.prompt_logprobs is None else req.prompt_logprobs
+        rid, outputs = submit(prompt, req, 1 if prompt_only else req.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS,
+                              "cmpl", None if prompt_only else req.logprobs, echo_logprobs)
         created = now()
+        prompt_text = req.prompt if isinstance(req.prompt, str) else text_tok.decode(prompt)
+        lp_builders = [CompletionLogprobs(text_tok.decode) for _ in range(req.n)]
+        echoed, sent_ids = [False] * req.n, [False] * req.n
 
-        def chunk(text: str, reason: str | None) -> dict:
+        def choice(i: int, out: RequestOutput, text: str, reason: str | None) -> dict:
+            """A choice for `out` (text: its text); the first of each choice carries the echoed prompt."""
+            ids, lps = ([], []) if prompt_only else (out.new_token_ids, out.logprobs)
+            if req.echo and not echoed[i]:
+                echoed[i] = True
+                text = prompt_text + ("" if prompt_only else text)
+                ids = prompt + ids
+                lps = [None, *out.prompt_logprobs, *lps] if req.logprobs is not None else lps
+            elif prompt_only:
+                text = ""
+            logprobs = lp_builders[i].chunk(ids, lps) if req.logprobs is not None else None
+            out_choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}
+            if req.return_token_ids:
+                out_choice["token_ids"] = [] if prompt_only else out.new_token_ids
+                if not sent_ids[i]:
+                    sent_ids[i], out_choice["prompt_token_ids"] = True, prompt
+            return out_choice
+
+        def body(choices: list[dict]) -> dict:
             return {"id": rid, "object": "text_completion", "created": created, "model": cfg.model_name,
-                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}]}
+                    "choices": choices}
 
         if req.stream:
             async def events():
+                tokens, done = 0, 0
                 async with aclosing(outputs) as stream:
-                    async for out in stream:
+                    async for i, out in stream:
                         if out.error:
                             yield sse(error_body(failed(out).message, "server_error", None, "internal_error"))
                             break
-                        if out.text_delta or out.finished:
-                            yield sse(chunk(out.text_delta, out.finish_reason if out.finished else None))
-                        if out.finished and req.include_usage:
-                            yield sse({**chunk("", None), "choices": [],
-                                       "usage": Usage.of(out.prompt_tokens, out.output_tokens).model_dump()})
+                        tokens += len(out.new_token_ids)
+                        if out.text_delta or out.new_token_ids or out.finished:
+                            yield sse(body([choice(i, out, out.text_delta, out.finish_reason if out.finished
+                                                   else None)]))
+                        done += out.finished
+                        if out.finished and req.include_usage and done == req.n:
+                            yield sse({**body([]), "usage": Usage.of(out.prompt_tokens, tokens).model_dump()})
                 yield sse("[DONE]")
             return StreamingResponse(events(), media_type="text/event-stream")
 
-        pieces: list[str] = []
-        last = await collect(request, outputs, lambda out: pieces.append(out.text_delta))
+        outs = [RequestOutput(rid, [], "") for _ in range(req.n)]   # each choice's outputs merged
+
+        def each(i: int, out: RequestOutput) -> None:
+            outs[i] = merge_outputs(outs[i], out)
+        last = await collect(request, outputs, each)
         if last is None:
             return Response(status_code=CLIENT_CLOSED)
-        text = "".join(pieces)
-        if last.error:
-            raise failed(last)
-        return {**chunk(text, last.finish_reason), "usage": Usage.of(last.prompt_tokens, last.output_tokens).model_dump()}
+        if any(o.error for o in outs):
+            raise failed(next(o for o in outs if o.error))
+        choices = [choice(i, o, o.text_delta, o.finish_reason) for i, o in enumerate(outs)]
+        if req.prompt_logprobs is not None:
+            for c, o in zip(choices, outs):
+                c["prompt_logprobs"] = prompt_logprobs(o.prompt_logprobs, text_tok.decode)
+        completion = sum(o.output_tokens for o in outs)
+        return {**body(choices), "usage": Usage.of(len(prompt), completion).model_dump()}
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
@@ -197,16 +272,21 @@ def build_app(engine: Engine, tokenizer: MistralTokenizer, cfg: ServerConfig) ->
         prompt = await asyncio.to_thread(chat_encoder.encode, req)
         max_tokens = req.max_completion_tokens or req.max_tokens or \
             max(1, min(CHAT_DEFAULT_MAX_TOKENS, cfg.max_model_len - len(prompt)))
-        rid, outputs = submit(prompt, req, max_tokens, "chatcmpl")
-        parser = OutputParser(markers, text_tok.decode, tuple(req.stop))
+        rid, outputs = submit(prompt, req, max_tokens, "chatcmpl", req.top_logprobs or 0 if req.logprobs else None,
+                              req.prompt_logprobs)
+        parsers = [OutputParser(markers, text_tok.decode, tuple(req.stop)) for _ in range(req.n)]
         created = now()
 
-        def reason_of(out: RequestOutput) -> str:
-            return "tool_calls" if parser.calls and out.finish_reason == "stop" else out.finish_reason
+        def reason_of(i: int, out: RequestOutput) -> str:
+            return "tool_calls" if parsers[i].calls and out.finish_reason == "stop" else out.finish_reason
 
-        def chunk(delta: dict, reason: str | None) -> dict:
+        def logprobs_of(lps: list) -> dict | None:
+            return chat_logprobs(lps, text_tok.decode) if req.logprobs else None
+
+        def chunk(i: int, delta: dict, reason: str | None, lps: list | None = None) -> dict:
             return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": cfg.model_name,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]}
+                    "choices": [{"index": i, "delta": delta, "logprobs": logprobs_of(lps) if lps else None,
+                                 "finish_reason": reason}]}
 
         def delta_dict(d: ParsedDelta) -> dict:
             out = {}
@@ -220,34 +300,48 @@ def build_app(engine: Engine, tokenizer: MistralTokenizer, cfg: ServerConfig) ->
 
         if req.stream:
             async def events():
-                yield sse(chunk({"role": "assistant", "content": ""}, None))
+                tokens, done, started = 0, 0, [False] * req.n
                 async with aclosing(outputs) as stream:
-                    async for out in stream:
+                    async for i, out in stream:
                         if out.error:
                             yield sse(error_body(failed(out).message, "server_error", None, "internal_error"))
                             break
-                        d = parser.push(out.new_token_ids)
+                        if not started[i]:    # with the first output, as vLLM (so a client's TTFT is real)
+                            started[i] = True
+                            yield sse(chunk(i, {"role": "assistant", "content": ""}, None))
+                        tokens += len(out.new_token_ids)
+                        d = parsers[i].push(out.new_token_ids)
                         if out.finished:
-                            d = d.merge(parser.finish())
-                        if d:
-                            yield sse(chunk(delta_dict(d), None))
+                            d = d.merge(parsers[i].finish())
+                        if d or out.logprobs:
+                            yield sse(chunk(i, delta_dict(d), None, out.logprobs))
                         if out.finished:
-                            yield sse(chunk({}, reason_of(out)))
-                            if req.include_usage:
-                                yield sse({**chunk({}, None), "object": "chat.completion.chunk", "choices": [],
-                                           "usage": Usage.of(out.prompt_tokens, out.output_tokens).model_dump()})
+                            done += 1
+                            yield sse(chunk(i, {}, reason_of(i, out)))
+                            if req.include_usage and done == req.n:
+                                yield sse({**chunk(0, {}, None), "choices": [],
+                                           "usage": Usage.of(out.prompt_tokens, tokens).model_dump()})
                 yield sse("[DONE]")
             return StreamingResponse(events(), media_type="text/event-stream")
 
-        last = await collect(request, outputs, lambda out: parser.push(out.new_token_ids))
+        outs = [RequestOutput(rid, [], "") for _ in range(req.n)]   # each choice's outputs merged
+
+        def each(i: int, out: RequestOutput) -> None:
+            parsers[i].push(out.new_token_ids)
+            outs[i] = merge_outputs(outs[i], out)
+        last = await collect(request, outputs, each)
         if last is None:
             return Response(status_code=CLIENT_CLOSED)
-        if last.error:
-            raise failed(last)
-        parser.finish()
-        return {"id": rid, "object": "chat.completion", "created": created, "model": cfg.model_name,
-                "choices": [{"index": 0, "message": parser.message(), "logprobs": None,
-                             "finish_reason": reason_of(last)}],
-                "usage": Usage.of(last.prompt_tokens, last.output_tokens).model_dump()}
+        if any(o.error for o in outs):
+            raise failed(next(o for o in outs if o.error))
+        for p in parsers:
+            p.finish()
+        response = {"id": rid, "object": "chat.completion", "created": created, "model": cfg.model_name,
+                    "choices": [{"index": i, "message": parsers[i].message(), "logprobs": logprobs_of(o.logprobs),
+                                 "finish_reason": reason_of(i, o)} for i, o in enumerate(outs)],
+                    "usage": Usage.of(len(prompt), sum(o.output_tokens for o in outs)).model_dump()}
+        if req.prompt_logprobs is not None:
+            response["prompt_logprobs"] = prompt_logprobs(outs[0].prompt_logprobs, text_tok.decode)
+        return response
 
     return app

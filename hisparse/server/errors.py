@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+
+
+FIELD_FIRST = re.compile(r"^Value error, ([a-z_]+): ")
 
 
 class APIError(Exception):
@@ -32,6 +37,7 @@ def validation_error(e: RequestValidationError) -> APIError:
         if err.get("type") == "json_invalid":
             parts.append(f"invalid JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}")
             continue
-        param = param or where or None
+        named = FIELD_FIRST.match(err.get("msg", ""))   # a check across fields names its field first
+        param = param or where or (named.group(1) if named else None)
         parts.append(f"{where}: {err.get('msg')}" if where else f"body: {err.get('msg')}")
     return APIError(400, "; ".join(parts) or "invalid request", param)
