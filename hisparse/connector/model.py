@@ -35,7 +35,9 @@ class HiSparseML4ForCausalLM(nn.Module):
         super().__init__()
         self.model_dir = vllm_config.model_config.model
         self.cfg = ModelConfig.load(self.model_dir)
-        self.ml4 = ML4(self.cfg)   # shapes only; load_weights replaces it with the checkpoint's weights
+        self.device = torch.get_default_device()   # vLLM builds the model under its target device and dtype
+        with torch.device("meta"):
+            self.ml4 = ML4(self.cfg)   # shapes and dtype only; load_weights streams the checkpoint into a new one
         self.slots = Attention(num_heads=1, head_size=SLOT_HEAD_SIZE, scale=1.0, num_kv_heads=1,
                                cache_config=vllm_config.cache_config, prefix=f"{prefix}slots.0")   # vLLM wants one layer index
 
@@ -65,8 +67,7 @@ class HiSparseML4ForCausalLM(nn.Module):
         return self.ml4.head(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load with hisparse's own loader (Mistral-native names, FP8 block dequant, shape checks), not vLLM's
+        """Load with hisparse's own loader (Mistral-native names, FP8 linears kept FP8, shape checks), not vLLM's
         tensor stream, so vLLM and hisparse run the very same weights."""
-        device = self.ml4.tok_embeddings.weight.device
-        self.ml4 = load_model(self.model_dir, device=device, dtype=self.ml4.dtype)
+        self.ml4 = load_model(self.model_dir, device=self.device, dtype=self.ml4.dtype)
         return {name for name, _ in self.named_parameters()}
