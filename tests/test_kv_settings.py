@@ -98,7 +98,7 @@ def test_extra_config_requires_the_pool_and_lists_unknown_keys() -> None:
     with pytest.raises(KVSettingsError) as e:
         KVSettings.from_extra_config({"host_pool_gib": 1, "pool": 2, "offload": "none"})
     assert str(e.value) == ("kv_connector_extra_config: unknown key(s) ['offload', 'pool']; HiSparseConnector "
-                            "accepts ['host_pool_gib', 'hot_buffer_tokens', 'kv_layout', 'kv_offload', "
+                            "accepts ['host_pool_gib', 'hot_buffer_tokens', 'kernels', 'kv_layout', 'kv_offload', "
                             "'page_tokens', 'resident_window']")
     with pytest.raises(KVSettingsError) as e:
         KVSettings.from_extra_config({"host_pool_gib": -1})

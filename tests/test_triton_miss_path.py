@@ -119,6 +119,8 @@ def check(case: Case, **kw) -> tuple:
         assert torch.equal(got, rows_r[m])
     head = plan.kind != NONE
     assert torch.equal(out.keys.cpu(), plan.keys) and torch.equal(out.kind.cpu()[head], plan.kind[head])
+    counts = out.counts.sum(0).tolist()
+    assert counts == [plan.n_unique, plan.n_misses]
     not_extra = head & (plan.kind != EXTRA)
     assert torch.equal(out.local.cpu()[not_extra], plan.local[not_extra])
     return plan

@@ -17,11 +17,13 @@ from typing import Any
 import torch
 
 from ..gpu_working_set.hisparse_kv import DEFAULT_SINKS, DEFAULT_WINDOW, HiSparseKV
+from ..gpu_working_set.kernels import triton_support
 from ..host_pool.layout import LAYOUTS
 from ..model.config import ModelConfig
 from ..model.kv import LatentKV, ResidentKV
 
 OFFLOADS = ("hisparse", "none")
+KERNELS = ("auto", "triton", "torch")
 EXTRA_CONFIG = "kv_connector_extra_config"
 
 # A field's name as a flag (--kv-offload) and as a kv_connector_extra_config key: only offload and layout carry
@@ -67,6 +69,8 @@ class KVSettings:
     resident_window: int | None = None     # newest tokens per request kept on the device; None: 64
     page_tokens: int = 64                  # tokens per page: the allocation unit of the host pool (or of the
                                            # device store with offload 'none')
+    kernels: str = "auto"                  # 'triton': the miss path and sparse MLA as Triton kernels; 'torch':
+                                           # torch ops (+ the C++ CPU kernels); 'auto': triton on CUDA, else torch
 
     def __post_init__(self) -> None:
         """Validate every field; KVSettingsError names the first bad one."""
@@ -84,6 +88,8 @@ class KVSettings:
                 raise _invalid(name, f"must be an integer >= 0, got {v!r}")
         if not _is_int(self.page_tokens, 1):
             raise _invalid("page_tokens", f"must be an integer >= 1, got {self.page_tokens!r}")
+        if self.kernels not in KERNELS:
+            raise _invalid("kernels", f"must be one of {list(KERNELS)}, got {self.kernels!r}")
 
     # ---- resolved defaults ----
     def hot_buffer(self, cfg: ModelConfig) -> int:
@@ -95,14 +101,28 @@ class KVSettings:
         """Newest tokens per request kept on the device."""
         return DEFAULT_WINDOW if self.resident_window is None else self.resident_window
 
+    def kernel_path(self, device: torch.device | str) -> str:
+        """'triton' or 'torch' on `device`: auto takes Triton on CUDA when it is installed. An explicit 'triton'
+        needs Triton and a CUDA device (or, on the CPU, Triton's interpreter: TRITON_INTERPRET=1)."""
+        cuda = torch.device(device).type == "cuda"
+        if self.kernels == "auto":
+            return "triton" if cuda and triton_support.available() else "torch"
+        if self.kernels == "triton" and not triton_support.available():
+            raise _invalid("kernels", "'triton' needs the triton package (pip install 'hisparse[gpu]')")
+        if self.kernels == "triton" and not (cuda or triton_support.interpreted()):
+            raise _invalid("kernels", f"'triton' runs on CUDA (device is {device}; on the CPU only under "
+                                      "TRITON_INTERPRET=1)")
+        return self.kernels
+
     def build(self, cfg: ModelConfig, device: torch.device | str = "cpu",
               dtype: torch.dtype = torch.float32) -> LatentKV:
         """The LatentKV these settings describe, for a model of `cfg` computing in `dtype` on `device`."""
+        kernels = self.kernel_path(device)
         if self.offload == "none":
-            return ResidentKV(cfg, self.layout, device, dtype, page_tokens=self.page_tokens)
+            return ResidentKV(cfg, self.layout, device, dtype, page_tokens=self.page_tokens, kernels=kernels)
         return HiSparseKV(cfg, self.layout, device, dtype, host_pool_gib=self.host_pool_gib,
                           hot_buffer_tokens=self.hot_buffer(cfg), resident_window=self.window,
-                          sink_tokens=DEFAULT_SINKS, page_tokens=self.page_tokens)
+                          sink_tokens=DEFAULT_SINKS, page_tokens=self.page_tokens, kernels=kernels)
 
     # ---- sources ----
     @staticmethod
@@ -119,6 +139,8 @@ class KVSettings:
                                                    f"(default: {DEFAULT_WINDOW})"),
             "page_tokens": dict(type=int, help="tokens per page of the host pool (of the device store with "
                                                "--kv-offload none) (default: %(default)s)"),
+            "kernels": dict(choices=KERNELS, help="miss path and sparse attention as Triton kernels or torch ops; "
+                                                  "auto: triton on CUDA, torch elsewhere (default: %(default)s)"),
         }
         for name in default if names is None else names:
             parser.add_argument(_flag(name), default=default[name], **flags[name])

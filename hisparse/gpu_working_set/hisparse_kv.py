@@ -34,7 +34,7 @@ class HiSparseKV(LatentKV):
     def __init__(self, cfg: ModelConfig, layout: str = "fp8_ds_mla", device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, host_pool_gib: float = 4.0,
                  hot_buffer_tokens: int | None = None, resident_window: int | None = None,
-                 sink_tokens: int = DEFAULT_SINKS, page_tokens: int = 64):
+                 sink_tokens: int = DEFAULT_SINKS, page_tokens: int = 64, kernels: str = "torch"):
         if layout is None:
             raise ValueError("kv_layout: HiSparse stores packed rows; choose 'fp8_ds_mla' or 'bf16'")
         n_slots = hot_buffer_tokens if hot_buffer_tokens is not None else 2 * cfg.index_topk
@@ -42,7 +42,7 @@ class HiSparseKV(LatentKV):
         if n_slots < 0 or window < 0 or sink_tokens < 0:
             raise ValueError("hot_buffer_tokens, resident_window and sink tokens must be >= 0")
         pool = HostPool(row_layout(cfg, layout), cfg.kv_source_layers, host_pool_gib, page_tokens)
-        super().__init__(cfg, layout, device, dtype, pool.pages)
+        super().__init__(cfg, layout, device, dtype, pool.pages, kernels)
         self.pool, self.n_slots, self.window, self.sinks = pool, n_slots, window, sink_tokens
         self.copier = Copier(self.device)
         self.members = {o: [l.index for l in cfg.layers if l.index_source == o] for o in cfg.index_owner_layers}
@@ -60,6 +60,13 @@ class HiSparseKV(LatentKV):
         self.plans: dict[int, Plan] = {}
         self.located: tuple[torch.Tensor, torch.Tensor] | None = None   # (selection, its plan entries)
         self.fetched: dict[int, tuple[torch.Tensor, object | None]] = {}   # layer -> (its misses' rows, event)
+        # Triton path: layer -> (arena rows of its selections [n, k], this step's transient rows or None), and the
+        # step's hits, misses and overlapped copies counted on the device (read once, at end_step)
+        self.kernel_rows: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self.kernel_counts = torch.zeros(3, dtype=torch.long, device=self.device)
+        self.pool_offsets = {g: torch.tensor([pool.layer_offset(m) for m in ms], dtype=torch.long, device=self.device)
+                             for g, ms in self.members.items()}       # where each member's rows start in pool.rows
+        self.max_rows = 0       # the most query rows one segment of this step has
 
     # ---- capacity ----
     def token_capacity(self) -> int:
@@ -86,11 +93,13 @@ class HiSparseKV(LatentKV):
         lengths = torch.tensor([s.length for s in segments], dtype=torch.long)
         self.step_row0 = (torch.cumsum(lengths, 0) - lengths).to(self.device)
         self.step_host_rows = paged_rows(self.tables.host_pages, seg, positions, self.page_tokens)
+        self.max_rows = max((s.length for s in segments), default=0)
         self.step += 1
         self.stats.steps += 1
         self.step_rows = self.located = None
         self.plans.clear()
         self.fetched.clear()
+        self.kernel_rows.clear()
 
     def end_step(self) -> None:
         """Finish the host backups, then move the step's newest rows into the resident windows (one gather and
@@ -111,6 +120,14 @@ class HiSparseKV(LatentKV):
         self.step_rows = self.step_host_rows = self.located = None
         self.plans.clear()
         self.fetched.clear()
+        self.kernel_rows.clear()
+        if self.kernels == "triton":     # the step's one read of the device counters
+            hits, misses, overlapped = self.kernel_counts.tolist()
+            self.kernel_counts.zero_()
+            self.stats.hits += hits
+            self.stats.misses += misses
+            self.stats.overlapped_copies += overlapped
+            self.stats.host_to_device_bytes += misses * self.layout.row_bytes
 
     # ---- the batch seam ----
     def write(self, layer: int, seg: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> None:
@@ -127,6 +144,17 @@ class HiSparseKV(LatentKV):
 
     def gather(self, layer: int, seg: torch.Tensor, sel: torch.Tensor) -> RowSource:
         """Every query row's selected rows: one index into the arena (plus this step's transient misses)."""
+        if self.kernels == "triton":
+            store, idx, extra = self.stored_rows(layer, seg, sel)
+            n = store.shape[0]
+
+            def kernel_rows(lo: int, hi: int) -> torch.Tensor:
+                out = self.layout.gather_unpack(store, idx[lo:hi].clamp(0, n - 1), self.dtype)
+                if extra is not None:   # transient misses: rows idx - n of this step's extra rows
+                    fresh = self.layout.gather_unpack(extra, (idx[lo:hi] - n).clamp(min=0), self.dtype)
+                    out = torch.where((idx[lo:hi] >= n)[..., None], fresh, out)
+                return out
+            return kernel_rows
         group = self.cfg.layers[layer].index_source
         plan = self.plans.get(group)
         if plan is None:
@@ -150,6 +178,29 @@ class HiSparseKV(LatentKV):
                 out = torch.where(transient[lo:hi, :, None], fresh, out)
             return out
         return rows
+
+    def stored_rows(self, layer: int, seg: torch.Tensor, sel: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The Triton path: at the index group owner's first call of the step, one miss-path launch resolves
+        every request's selections, copies every member layer's misses from the host pool and returns the arena
+        rows of every selection; members then read their own."""
+        if layer not in self.kernel_rows:
+            self.run_miss_path(self.cfg.layers[layer].index_source, seg, sel)
+        idx, extra = self.kernel_rows[layer]
+        return self.arena.data, idx, extra
+
+    def run_miss_path(self, group: int, seg: torch.Tensor, sel: torch.Tensor) -> None:
+        from .kernels.miss_path_triton import miss_path
+        a, members = self.arena, self.members[group]
+        out = miss_path(self.hot[group], self.step_slot, self.tables.start, self.step_row0, self.win_lo,
+                        self.win_len, self.sinks, self.window, seg, sel, self.step, self.tables.pages,
+                        self.page_tokens, self.pool.rows, self.pool_offsets[group], a.data,
+                        torch.stack([a.kind_base[m] for m in members]), max_rows_per_seg=self.max_rows)
+        for i, m in enumerate(members):
+            self.kernel_rows[m] = (out.idx[i], None if out.extra is None else out.extra[i])
+        unique, misses = out.counts.sum(0)
+        n = len(members)
+        self.kernel_counts += torch.stack((n * (unique - misses), n * misses, (n - 1) * misses))
 
     def plan_group(self, group: int, seg: torch.Tensor, sel: torch.Tensor) -> Plan:
         """At the index group owner: resolve every request's selections once, then copy every member layer's

@@ -69,6 +69,15 @@ class HostPool:
     def metadata_bytes(self) -> int:
         return 8 * (self.pages_used + len(self.pages.free_pages))
 
+    @property
+    def rows(self) -> torch.Tensor:
+        """Every stored row of every KV-owning layer, [owner layers * n_pages * page_tokens, row_bytes]."""
+        return self.buffer.view(-1, self.layout.row_bytes)
+
+    def layer_offset(self, layer: int) -> int:
+        """Where `layer`'s view (`layer_view`) starts in `rows`."""
+        return self.slot_of_layer[self.kv_sources[layer]] * self.n_pages * self.page_tokens
+
     def layer_view(self, layer: int) -> torch.Tensor:
         """[n_pages * page_tokens, row_bytes] rows of `layer`'s source (KV consumers bind to their source)."""
         src = self.kv_sources[layer]

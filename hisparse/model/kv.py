@@ -116,9 +116,12 @@ class LatentKV(ABC):
     """Where latent rows (c || k_rope, width r + dR) and indexer keys live. Positions are absolute positions."""
 
     def __init__(self, cfg: ModelConfig, layout: str | None, device: torch.device | str, dtype: torch.dtype,
-                 pages: PageTable):
+                 pages: PageTable, kernels: str = "torch"):
         self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
         self.layout = row_layout(cfg, layout) if layout else None
+        # 'triton': `attend` runs the Triton sparse MLA kernel over the stored bytes (`stored_rows`); 'torch':
+        # decoded rows and `sparse_mla` (KVSettings.kernel_path chooses)
+        self.kernels = kernels if self.layout else "torch"
         self.pages, self.page_tokens = pages, pages.page_tokens
         self.index_keys = PagedStore(cfg.index_owner_layers, cfg.index_head_dim, dtype, self.device,
                                      pages.page_tokens)
@@ -180,7 +183,11 @@ class LatentKV(ABC):
         """Sparse MLA of every query row over its selection: olat [n, H, r], lse [n, H] (-inf: nothing selected).
 
         q_lat [n, H, r], q_rope [n, H, dR] or None (NoPE), sel [n, k]. Query rows go in blocks whose decoded rows
-        stay under ATTEND_BLOCK_ELEMS."""
+        stay under ATTEND_BLOCK_ELEMS (the Triton kernel reads the stored bytes directly)."""
+        if self.kernels == "triton":
+            from .kernels.sparse_mla_triton import sparse_mla_rows
+            store, idx, extra = self.stored_rows(layer, seg, sel)
+            return sparse_mla_rows(q_lat, q_rope, store, idx, self.layout, scale, extra=extra)
         rows = self.gather(layer, seg, sel)
         n, H, r = q_lat.shape
         olat, lse = torch.empty_like(q_lat), q_lat.new_empty(n, H)
@@ -190,6 +197,12 @@ class LatentKV(ABC):
             olat[lo:hi], lse[lo:hi] = sparse_mla(q_lat[lo:hi], None if q_rope is None else q_rope[lo:hi],
                                                  rows(lo, hi), sel[lo:hi] >= 0, scale, r)
         return olat, lse
+
+    def stored_rows(self, layer: int, seg: torch.Tensor, sel: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Where the selected rows' bytes are, for the Triton kernel: (store [rows, row_bytes] uint8, idx [n, k]
+        its rows, -1 where nothing is selected, and extra rows read by an idx >= rows as extra[idx - rows])."""
+        raise NotImplementedError(f"{type(self).__name__} has no Triton path")
 
     # ---- request lifecycle ----
     def release(self, req: Hashable) -> None:
@@ -247,8 +260,10 @@ class ResidentKV(LatentKV):
     """Reference: every latent row of every request on the compute device, in one paged store per KV owner."""
 
     def __init__(self, cfg: ModelConfig, layout: str | None = "fp8_ds_mla", device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32, budget_tokens: int | None = None, page_tokens: int = 16):
-        super().__init__(cfg, layout, device, dtype, PageTable(0, page_tokens, growable=True, name="device KV"))
+                 dtype: torch.dtype = torch.float32, budget_tokens: int | None = None, page_tokens: int = 16,
+                 kernels: str = "torch"):
+        super().__init__(cfg, layout, device, dtype, PageTable(0, page_tokens, growable=True, name="device KV"),
+                         kernels)
         self.rows = PagedStore(cfg.kv_owner_layers, self.stored_width, self.stored_dtype, self.device, page_tokens)
         self.budget_tokens = budget_tokens   # device-memory budget in tokens (None: unbounded)
 
@@ -269,6 +284,11 @@ class ResidentKV(LatentKV):
             return lambda lo, hi: self.layout.gather_unpack(store, idx[lo:hi], self.dtype)
         return lambda lo, hi: torch.index_select(store, 0, idx[lo:hi].flatten()).view(hi - lo, sel.shape[1],
                                                                                       self.rows.width)
+
+    def stored_rows(self, layer: int, seg: torch.Tensor, sel: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, None]:
+        idx = paged_rows(self.tables.pages, seg[:, None].expand_as(sel), sel.clamp(min=0), self.page_tokens)
+        return self.rows.data[self.source(layer)], torch.where(sel >= 0, idx, -1), None
 
     def latent_bytes(self, req: Hashable | None = None) -> int:
         """Device bytes of latent rows held (by one request, or by all)."""

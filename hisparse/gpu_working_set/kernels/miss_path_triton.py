@@ -43,12 +43,14 @@ _MISS = tl.constexpr(5)   # an entry's kind between the passes: a miss not yet g
 class MissPath:
     """The result of one launch: idx [M, n, k] arena rows of every member layer's selected rows (-1: nothing
     selected; >= arena rows: row idx - arena rows of `extra[m]`, a transient miss), extra [M, E + 1, row_bytes]
-    uint8 (None when no transient miss is possible), kind/local [E + 1] the plan's entries (as the reference)."""
+    uint8 (None when no transient miss is possible), kind/local [E + 1] the plan's entries (as the reference),
+    counts [S, 2] per segment its distinct selected positions and its misses (device counters: no host read)."""
     idx: torch.Tensor
     extra: torch.Tensor | None
     keys: torch.Tensor
     kind: torch.Tensor
     local: torch.Tensor
+    counts: torch.Tensor
 
 
 def _miss_path_kernel(
@@ -64,6 +66,7 @@ def _miss_path_kernel(
         ent_kind_ptr, ent_local_ptr,                         # [E + 1] the plan (out)
         sorted_ptr, hit_ptr,                                 # [S, BLOCK_N] scratch
         out_ptr, n_rows, log_e,                              # [M, n, k] arena rows (out); log2(E + 1) rounded up
+        counts_ptr,                                          # [S, 2] distinct positions, misses (out)
         W: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr, LOG_N: tl.constexpr,
         BLOCK_E: tl.constexpr, KEY_SPAN_C: tl.constexpr):
     s = tl.program_id(0)
@@ -89,6 +92,7 @@ def _miss_path_kernel(
     # 2. classify the entries in position order; hits refresh their stamps; misses are ranked
     n_miss = 0
     n_hit = 0
+    n_unique = 0
     for t0 in range(e_lo, e_hi, BLOCK_E):
         e = t0 + tl.arange(0, BLOCK_E)
         live = e < e_hi
@@ -114,6 +118,7 @@ def _miss_path_kernel(
         rank = n_miss + tl.cumsum(miss.to(tl.int32), 0) - 1
         n_miss += tl.sum(miss.to(tl.int32), 0)
         n_hit += tl.sum(hit.to(tl.int32), 0)
+        n_unique += tl.sum(head.to(tl.int32), 0)
         win_row = tl.where(pos < sinks, window + pos, tl.where(window > 0, pos % tl.maximum(window, 1), 0))
         kind = tl.where(in_step, _STEP, tl.where(in_win, _WINDOW, tl.where(hit, _HOT, tl.where(miss, _MISS, _NONE))))
         local = tl.where(in_step, row0 + pos - start,
@@ -121,6 +126,8 @@ def _miss_path_kernel(
                                   tl.where(hit, hot0 + slot, tl.where(miss, rank.to(tl.int64), 0))))
         tl.store(ent_kind_ptr + e, kind.to(tl.int64), mask=live)
         tl.store(ent_local_ptr + e, local, mask=live)
+    tl.store(counts_ptr + 2 * s, n_unique.to(tl.int64))
+    tl.store(counts_ptr + 2 * s + 1, n_miss.to(tl.int64))
     tl.debug_barrier()
 
     # 3. victims: the slots not hit this step, least recently used first (empty slots first, ties by slot id)
@@ -224,6 +231,7 @@ def miss_path(hot: HotSlots, slot_of_seg: torch.Tensor, step_start: torch.Tensor
     sorted_scratch = torch.empty(S, block_n, dtype=torch.long, device=dev)
     hit_scratch = torch.empty(S, block_n, dtype=torch.int32, device=dev)
     idx = torch.empty(M, n, k, dtype=torch.long, device=dev)
+    counts = torch.zeros(S, 2, dtype=torch.long, device=dev)
     W = B // 4
     if S and n and k:
         _kernel[(S,)](
@@ -234,9 +242,10 @@ def miss_path(hot: HotSlots, slot_of_seg: torch.Tensor, step_start: torch.Tensor
             pool.view(torch.int32), pool_offsets.contiguous(), arena.view(torch.int32), arena.shape[0],
             kind_base.contiguous(), M,
             extra.view(torch.int32), extra.shape[1], kind, local, sorted_scratch, hit_scratch, idx, n, E1.bit_length(),
+            counts,
             W=W, BLOCK_W=next_pow2(W), BLOCK_N=block_n, LOG_N=block_n.bit_length() - 1, BLOCK_E=block_e,
             KEY_SPAN_C=KEY_SPAN)
-    return MissPath(idx, extra if transient else None, keys, kind, local)
+    return MissPath(idx, extra if transient else None, keys, kind, local, counts)
 
 
 def aot_source(row_bytes: int = 656, n_slots: int = 4096, block_e: int = 64) -> triton.compiler.ASTSource:
@@ -250,7 +259,7 @@ def aot_source(row_bytes: int = 656, n_slots: int = 4096, block_e: int = 64) -> 
            "page_tokens": "i32", "pool_ptr": ptr32, "pool_off_ptr": ptr64, "arena_ptr": ptr32,
            "n_arena_rows": "i64", "kind_base_ptr": ptr64, "n_members": "i32", "extra_ptr": ptr32,
            "n_entries": "i64", "ent_kind_ptr": ptr64, "ent_local_ptr": ptr64, "sorted_ptr": ptr64,
-           "hit_ptr": ptr32, "out_ptr": ptr64, "n_rows": "i32", "log_e": "i32"}
+           "hit_ptr": ptr32, "out_ptr": ptr64, "n_rows": "i32", "log_e": "i32", "counts_ptr": ptr64}
     block_n = max(2, next_pow2(n_slots))
     const = {"W": row_bytes // 4, "BLOCK_W": next_pow2(row_bytes // 4), "BLOCK_N": block_n,
              "LOG_N": block_n.bit_length() - 1, "BLOCK_E": block_e, "KEY_SPAN_C": KEY_SPAN}

@@ -1,36 +1,33 @@
 """Triton, when installed (the `gpu` extra): kernels run compiled on CUDA tensors, or under Triton's interpreter
 on CPU tensors when TRITON_INTERPRET=1 was set before triton was imported (Triton decides per function when it
-is decorated, its own library included)."""
+is decorated, its own library included). Nothing here imports triton until a kernel is wanted."""
 
 from __future__ import annotations
 
-import os
+import importlib.util
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:     # the torch paths need no Triton
-    triton = tl = None
-
-# fixed when this module is imported, just before the kernels are decorated
-INTERPRETED = triton is not None and os.environ.get("TRITON_INTERPRET", "0") == "1"
-
 
 def available() -> bool:
-    return triton is not None
+    """Whether the triton package is installed."""
+    return importlib.util.find_spec("triton") is not None
 
 
 def interpreted() -> bool:
-    """Whether this process's Triton kernels were decorated for the interpreter (CPU tensors)."""
-    return INTERPRETED
+    """Whether this process's Triton kernels run under the interpreter (CPU tensors)."""
+    if not available():
+        return False
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from .miss_path_triton import _kernel
+    return isinstance(_kernel, InterpretedFunction)
 
 
 def require(t: torch.Tensor) -> None:
     """Raise a clear error unless a Triton kernel can run on tensors on t's device."""
-    if triton is None:
-        raise RuntimeError("kernels: the Triton kernels need `pip install triton` (the `gpu` extra)")
+    if not available():
+        raise RuntimeError("kernels: the Triton kernels need the triton package (pip install 'hisparse[gpu]')")
     if t.device.type != "cuda" and not interpreted():
         raise RuntimeError(f"kernels: Triton kernels run on CUDA tensors (got {t.device}); on the CPU only under "
                            "TRITON_INTERPRET=1 set before triton is imported")
