@@ -1,5 +1,6 @@
 """The batched sampler's vLLM extensions against plain-Python references of vLLM 0.32's formulas (v1 sampler:
-min_tokens, logit_bias, repetition/frequency/presence penalties, min_p) on random logits, and raw logprobs."""
+min_tokens, logit_bias, repetition/frequency/presence penalties, min_p) on random logits, raw logprobs, and stop
+strings under min_tokens."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ import random
 
 import torch
 
+from hisparse.engine.detokenizer import TextStream
 from hisparse.engine.request import Request, SamplingParams
 from hisparse.engine.sampling import LogitsProcessors, SamplingBatch, filter_min_p, sample, token_logprobs
+from hisparse.model.tiny import builtin_tiny
+from hisparse.model.tokenizer import load_tokenizer
 
 V, EOS = 48, 2
 
@@ -129,3 +133,14 @@ def test_token_logprobs_are_raw_log_softmax(seed: int) -> None:
         top = ref[row].topk(k)
         assert list(lp.top_ids) == top.indices.tolist()
         assert all(math.isclose(a, b, abs_tol=1e-5) for a, b in zip(lp.top_logprobs, top.values.tolist()))
+
+
+def test_stop_strings_count_after_min_tokens() -> None:
+    """vLLM checks stop strings only in the text after the first min_tokens output tokens."""
+    tok = load_tokenizer(builtin_tiny()).instruct_tokenizer.tokenizer
+    ids = tok.encode("the cat and the dog and the end", False, False)
+    head = len(tok.encode("the cat", False, False))
+    for min_tokens, want in ((0, ""), (head, "the cat and ")):
+        stream = TextStream(tok.decode, ("the",), min_tokens)
+        shown = "".join(stream.push([i]) for i in ids) + stream.flush()
+        assert stream.stopped and shown == want, min_tokens

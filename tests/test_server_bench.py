@@ -1,15 +1,17 @@
 """The real `vllm bench serve` (from the vLLM venv that `make test` builds; VLLM_VENV overrides where) against a real
 `hisparse serve`, on the random dataset through both of its OpenAI backends: every request succeeds and the
-result JSON holds the numbers the benchmark reports."""
+result JSON holds the numbers the benchmark reports; and benchmarks/serve/run.py end to end, tiny."""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from serving import free_port
 from test_server import KEY, Server, launch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,3 +47,22 @@ def test_vllm_bench_serve_runs_unchanged(server: Server, backend: str, endpoint:
         assert result["total_input_tokens"] == NUM_PROMPTS * INPUT_LEN
     assert 0 < result["mean_ttft_ms"] and 0 < result["mean_tpot_ms"] and result["output_throughput"] > 0
     server.wait_idle()
+
+
+@pytest.mark.slow
+def test_serve_benchmark_script_end_to_end(tmp_path: Path) -> None:
+    """benchmarks/serve/run.py, tiny: both servers at one device budget, one concurrency, its summary JSON."""
+    if not (VENV / "bin" / "vllm").exists():
+        pytest.fail(f"no vLLM venv at {VENV}: run scripts/install_vllm.sh first")
+    cmd = [sys.executable, "-m", "benchmarks.serve.run", "--input-len", "128", "--output-len", "4", "--concurrency",
+           "2", "--prompts-per-client", "1", "--min-prompts", "2", "--port", str(free_port()), "--vllm-venv",
+           str(VENV), "--out", str(tmp_path)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads((tmp_path / "serve.json").read_text())
+    limits = result["max_num_seqs"]
+    assert limits["hisparse"] > limits["none"] >= 1     # the same budget holds more HiSparse requests
+    assert [(r["mode"], r["concurrency"], r["completed"], r["failed"]) for r in result["rows"]] == \
+        [("hisparse", 2, 2, 0), ("none", 2, 2, 0)]
+    assert sorted(p.name for p in (tmp_path / "raw").iterdir()) == ["hisparse_c2.json", "none_c2.json"]

@@ -14,12 +14,15 @@ MAX_PENDING = 4   # a UTF-8 character has at most 4 bytes and every token at lea
 
 
 class TextStream:
-    """ids in (push), text deltas out; `stopped` once a stop string appeared (text is cut before it)."""
+    """ids in (push), text deltas out; `stopped` once a stop string appeared (text is cut before it). A stop
+    string counts only where it starts after the text of the first `min_tokens` ids (vLLM's min_tokens)."""
 
-    def __init__(self, decode: Callable[[list[int]], str], stop: tuple[str, ...] = ()):
-        self.decode, self.stop = decode, stop
+    def __init__(self, decode: Callable[[list[int]], str], stop: tuple[str, ...] = (), min_tokens: int = 0):
+        self.decode, self.stop, self.min_tokens = decode, stop, min_tokens
         self.pending: list[int] = []
+        self.pushed = 0
         self.text = ""
+        self.check_from = 0     # stop strings may start at this character or later
         self.sent = 0
         self.stopped = False
         self.longest_stop = max((len(s) for s in stop), default=0)
@@ -29,12 +32,15 @@ class TextStream:
         if self.stopped:
             return ""
         self.pending += ids
+        self.pushed += len(ids)
         piece = self.decode(self.pending)
         if piece.endswith("\ufffd") and len(self.pending) < MAX_PENDING:
             return ""
         checked = len(self.text)
         self.text += piece
         self.pending = []
+        if self.pushed <= self.min_tokens:
+            self.check_from = len(self.text)
         if self._cut_at_stop(max(0, checked - self.longest_stop + 1)):
             return self._emit(len(self.text))
         return self._emit(len(self.text) - self._holdback())
@@ -48,7 +54,7 @@ class TextStream:
         return self._emit(len(self.text))
 
     def _cut_at_stop(self, start: int) -> bool:
-        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        hits = [i for i in (self.text.find(s, max(start, self.check_from)) for s in self.stop) if i >= 0]
         if hits:
             self.text, self.stopped = self.text[:min(hits)], True
         return bool(hits)

@@ -144,7 +144,7 @@ class Engine:
             if kind == "add":
                 self.requests[arg.id] = arg
                 if self.decode is not None:
-                    self.streams[arg.id] = TextStream(self.decode, arg.params.stop)
+                    self.streams[arg.id] = TextStream(self.decode, arg.params.stop, arg.params.min_tokens)
                 self.scheduler.add(arg)
             elif kind == "abort" and arg in self.requests:
                 self._finish(self.requests[arg], "abort")

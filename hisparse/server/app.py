@@ -274,7 +274,7 @@ def build_app(engine: Engine, tokenizer: MistralTokenizer, cfg: ServerConfig) ->
             max(1, min(CHAT_DEFAULT_MAX_TOKENS, cfg.max_model_len - len(prompt)))
         rid, outputs = submit(prompt, req, max_tokens, "chatcmpl", req.top_logprobs or 0 if req.logprobs else None,
                               req.prompt_logprobs)
-        parsers = [OutputParser(markers, text_tok.decode, tuple(req.stop)) for _ in range(req.n)]
+        parsers = [OutputParser(markers, text_tok.decode, tuple(req.stop), req.min_tokens) for _ in range(req.n)]
         created = now()
 
         def reason_of(i: int, out: RequestOutput) -> str:

@@ -62,16 +62,19 @@ class MarkerIds:
 class OutputParser:
     """Routes output ids into sections (content, reasoning, tool name, tool arguments) by marker id."""
 
-    def __init__(self, markers: MarkerIds, decode: Callable[[list[int]], str], stop: tuple[str, ...] = ()):
-        self.m, self.decode, self.stop = markers, decode, stop
+    def __init__(self, markers: MarkerIds, decode: Callable[[list[int]], str], stop: tuple[str, ...] = (),
+                 min_tokens: int = 0):
+        self.m, self.decode, self.stop, self.min_tokens = markers, decode, stop, min_tokens
         self.reasoning, self.content = "", ""
         self.calls: list[ToolCall] = []
         self.section = "content"
-        self.stream = TextStream(decode, stop)
+        self.seen = 0    # output ids pushed so far (stop strings count only after min_tokens of them)
+        self.stream = TextStream(decode, stop, min_tokens)
 
     def push(self, ids: list[int]) -> ParsedDelta:
         out, run = ParsedDelta(), []
         for tok in ids:
+            self.seen += 1
             nxt = self._transition(tok)
             if nxt is None:
                 run.append(tok)
@@ -98,7 +101,8 @@ class OutputParser:
 
     def _open(self, section: str) -> None:
         self.section = section
-        self.stream = TextStream(self.decode, self.stop if section in ("content", "reasoning") else ())
+        self.stream = TextStream(self.decode, self.stop if section in ("content", "reasoning") else (),
+                                 max(0, self.min_tokens - self.seen))
         if section == "tool_name":
             self.calls.append(ToolCall(tool_call_id()))
 
