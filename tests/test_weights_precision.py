@@ -124,6 +124,20 @@ def test_fp8_logits_equal_the_dequantise_at_load_path(fp8_ckpt: Path, dtype: tor
     assert float((wrong - want).abs().max() / want.abs().max()) > 1e-3
 
 
+def test_bfloat16_target_and_drafter_decode(fp8_ckpt: Path, seed: int) -> None:
+    """Under bf16 the FP8 target and its bf16 DSpark drafter decode speculatively (the Markov head's state in the
+    drafter's dtype, logits in fp32)."""
+    from hisparse.engine.speculative import SpeculativeConfig, SpeculativeDecoder
+    from hisparse.model.dspark import DSparkDrafter
+    from hisparse.model.kv import ResidentKV
+    model = load_model(fp8_ckpt, dtype=torch.bfloat16)
+    dec = SpeculativeDecoder(model, ResidentKV(model.cfg, None, dtype=model.dtype), DSparkDrafter(model),
+                             SpeculativeConfig("dspark", 3, "greedy"))
+    st = dec.start(0, random_tokens(20, 512, seed).tolist())
+    out = [t for _ in range(4) for t in dec.step(st, 4)]
+    assert 4 <= len(out) <= 16 and all(0 <= t < 512 for t in out)
+
+
 # ------------------------------------------------------------------------------------------ regions
 
 def test_select_loads_only_the_asked_region(fp8_ckpt: Path) -> None:

@@ -219,7 +219,7 @@ class DSpark(nn.Module):
         drafts [B, N] and, for a sampled drafter, the distributions q [B, N, V] they were drawn from."""
         B, N, _ = logits.shape
         cap = self.cfg.logit_softcap
-        s = logits.new_zeros(B, self.cfg.mtp.markov_rank)
+        s = logits.new_zeros(B, self.cfg.mtp.markov_rank, dtype=self.markov.embed.weight.dtype)   # the head's dtype
         y, drafts, dists = anchor, [], []
         for i in range(N):   # sequential by definition: slot i's logits depend on the drafts before it
             s, bias = self.markov(y, s)

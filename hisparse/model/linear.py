@@ -82,10 +82,9 @@ def blockwise_scaled_mm_ok(device: torch.device, block: tuple[int, int]) -> bool
     if device.type != "cuda" or tuple(block) != (128, 128):
         return False
     if device not in _SCALED_MM_OK:
-        g = torch.Generator(device=device).manual_seed(0)
-        w8, s = weight_quant(torch.randn(256, 256).cpu(), (128, 128))
-        w8, s = w8.to(device), s.to(device)
-        x = torch.randn(16, 256, device=device, generator=g).bfloat16()
+        g = torch.Generator().manual_seed(0)   # a private generator: the probe leaves the global RNG alone
+        w8, s = weight_quant(torch.randn(256, 256, generator=g), (128, 128))
+        w8, s, x = w8.to(device), s.to(device), torch.randn(16, 256, generator=g).bfloat16().to(device)
         try:
             got = scaled_mm_fp8_linear(x, w8, s, (128, 128)).float()
             ref = F.linear(x.float(), weight_dequant(w8, s, (128, 128)))
