@@ -1,4 +1,5 @@
-"""The host latent pool: one (pinned, with CUDA) host buffer of fixed-size pages holding every latent row.
+"""The host latent pool: one host buffer (with CUDA: pinned at its exact size, `pinned.py`) of fixed-size pages
+holding every latent row.
 
 Physical layout: `[kv_owner_layers, n_pages, page_tokens, row_bytes]` uint8. A page is a block of
 `page_tokens` consecutive positions of one request, striped across every KV-owning layer, so one allocation
@@ -15,6 +16,7 @@ import torch
 
 from .layout import RowLayout
 from .pages import PageTable, PoolExhausted
+from .pinned import pinned_empty
 
 GIB = 1 << 30
 
@@ -35,8 +37,9 @@ class HostPool:
             raise ValueError(f"host_pool_gib: {host_pool_gib} GiB holds no page of {self.page_bytes} B "
                              f"({page_tokens} tokens x {len(self.owner_layers)} layers x {layout.row_bytes} B)")
         pin = torch.cuda.is_available() if pin is None else pin
-        self.buffer = torch.empty(len(self.owner_layers), n_pages, page_tokens, layout.row_bytes,
-                                  dtype=torch.uint8, pin_memory=pin)
+        shape = (len(self.owner_layers), n_pages, page_tokens, layout.row_bytes)
+        # pinned at its exact size (not through the caching host allocator's power-of-two blocks)
+        self.buffer = pinned_empty(shape, self) if pin else torch.empty(shape, dtype=torch.uint8)
         self.pages = PageTable(n_pages, page_tokens)
 
     # ---- geometry / capacity ----
