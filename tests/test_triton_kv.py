@@ -68,3 +68,37 @@ def test_kernels_setting() -> None:
     else:
         with pytest.raises(KVSettingsError, match="kernels"):
             KVSettings(kernels="triton").build(cfg, "cpu")
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and triton_support.available()),
+                    reason="needs CUDA and triton: host syncs exist only between a CUDA device and its host")
+def test_triton_decode_seam_makes_no_host_sync(model) -> None:
+    """Every KV write and attention of a decode step of 3 requests on the Triton path (miss-path launch, sparse
+    MLA, backups) under torch.cuda.set_sync_debug_mode('error'): no call waits for the device."""
+    from hisparse.engine.generate import prefill
+    from hisparse.model.batch import Segment
+    cfg = model.cfg
+    kv = HiSparseKV(cfg, "fp8_ds_mla", "cuda", host_pool_gib=0.002, hot_buffer_tokens=10, resident_window=6,
+                    page_tokens=16, kernels="triton")
+    g = torch.Generator().manual_seed(0)
+    lengths = (70, 41, 90)
+    for req, n in enumerate(lengths):
+        prefill(model, kv, req, torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist(), chunk=32)
+    kv.begin_step([Segment(req, n, 1) for req, n in enumerate(lengths)])
+    seg = torch.arange(3, device="cuda")
+    pos = torch.tensor(lengths, device="cuda")
+    sel = torch.stack([torch.randperm(n, generator=g)[:cfg.index_topk] for n in lengths]).cuda()
+    rows = torch.randn(3, cfg.latent_dim, device="cuda")
+    q_lat = torch.randn(3, cfg.n_heads, cfg.kv_lora_rank, device="cuda")
+    q_rope = torch.randn(3, cfg.n_heads, cfg.qk_rope_head_dim, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for spec in cfg.layers:
+            if spec.kv_owner:
+                kv.write(spec.index, seg, pos, rows)
+            kv.attend(spec.index, q_lat, q_rope, seg, sel, 0.1)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    kv.end_step()
+    assert kv.stats.misses > 0

@@ -1,7 +1,9 @@
 """Host <-> device row copies for the working set.
 
-CUDA: miss rows are gathered from the pinned pool into a pinned staging tensor and copied host -> device with
-non_blocking copies on a side stream; each layer gets an event and waits once before its attention reads.
+CUDA, torch path (`--kernels torch`): miss rows are gathered from the pinned pool into a pinned staging tensor and
+copied host -> device with non_blocking copies on a side stream; each layer gets an event and waits once before
+its attention reads; every tensor one stream makes and the other uses is recorded on the other (record_stream).
+The Triton path copies misses inside the miss-path kernel (UVA reads of the pool) on the main stream.
 New rows are backed up device -> host eagerly on the same stream and scattered into the pool at flush.
 CPU (or any non-CUDA device): the same calls run as batched index_select / index_put, synchronously.
 """
@@ -34,6 +36,19 @@ class Copier:
             event = torch.cuda.Event()
             event.record(self.stream)
         done.append(event)
+
+    def read_on_side(self, *tensors: torch.Tensor) -> None:
+        """Main-stream tensors the side stream uses: the caching allocator keeps their memory until the side
+        stream's work queued so far is done (record_stream), even if they are freed on the host before."""
+        if self.cuda:
+            for t in tensors:
+                t.record_stream(self.stream)
+
+    def read_on_main(self, *tensors: torch.Tensor) -> None:
+        """Side-stream tensors the main stream uses (see read_on_side)."""
+        if self.cuda:
+            for t in tensors:
+                t.record_stream(torch.cuda.current_stream(self.device))
 
     def to_device(self, host_view: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Gather host rows [n] of host_view onto the device (non_blocking from pinned staging on CUDA)."""

@@ -212,9 +212,11 @@ class HiSparseKV(LatentKV):
         host_rows = paged_rows(self.tables.pages, plan.miss_seg, plan.miss_pos, self.page_tokens).cpu()
         for member in self.members[group]:
             with self.copier.side() as done:
+                self.copier.read_on_side(plan.miss_dest, a.data)     # made on the main stream
                 fetched = self.copier.to_device(self.pool.layer_view(member), host_rows)
                 dest = torch.where(plan.miss_dest >= 0, a.hot_base[member] + plan.miss_dest, a.scratch_row)
                 a.data.index_copy_(0, dest, fetched)
+            self.copier.read_on_main(fetched)                         # made on the side stream
             self.fetched[member] = (fetched, done[0] if done else None)
             if member != group:
                 self.stats.overlapped_copies += plan.n_misses
