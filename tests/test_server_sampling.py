@@ -75,18 +75,20 @@ def test_completion_logprobs_and_echo_equal_hisparse_logits(server: Server, tok,
         row = ref[j - 1]
         assert abs(lp["token_logprobs"][j] - row[tid].item()) < TOL, j
         assert lp["tokens"][j] == tok.decode([tid])
-        top = row.topk(k)
-        want = {tok.decode([i]): v for i, v in zip(top.indices.tolist(), top.values.tolist())}
-        got = lp["top_logprobs"][j]
-        assert set(want) <= set(got) and all(abs(got[t] - v) < TOL for t, v in want.items()), j
-        if j >= len(ids):     # generated greedily: the argmax of the model's logits
-            assert tid == int(row.argmax())
+        top = row.topk(k).values.tolist()
+        got = lp["top_logprobs"][j]       # the token itself and the top-k, keyed by text
+        assert max(abs(a - b) for a, b in zip(sorted(got.values(), reverse=True)[:k], top)) < TOL, j
+        assert got[lp["tokens"][j]] == lp["token_logprobs"][j]
+        if j >= len(ids):     # generated greedily: a most likely token of the model's logits (up to TOL)
+            assert row[tid] >= row.max() - TOL
         else:                 # vLLM's prompt_logprobs field, keyed by id, with ranks
             pl = c["prompt_logprobs"][j]
             v = row[tid]      # its rank, up to the tokens within TOL of it
             assert int((row > v + TOL).sum()) < pl[str(tid)]["rank"] <= int((row >= v - TOL).sum())
-            assert {int(i) for i, e in pl.items() if e["rank"] <= k and int(i) != tid} | \
-                ({tid} if pl[str(tid)]["rank"] <= k else set()) == set(top.indices.tolist())
+            alts = sorted(((e["rank"], int(i)) for i, e in pl.items() if int(i) != tid or e["rank"] <= k))[:k]
+            assert [r for r, _ in alts] == list(range(1, k + 1))      # ranks 1..k, each id's logprob the r-th
+            assert all(abs(row[i].item() - top[r - 1]) < TOL and abs(pl[str(i)]["logprob"] - top[r - 1]) < TOL
+                       for r, i in alts), j
     # text offsets run over the token texts
     assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:j]) for j in range(len(lp["tokens"]))]
 
@@ -121,8 +123,10 @@ def test_chat_logprobs_equal_hisparse_logits(server: Server, tok, tmp_path: Path
         assert entry.token == tok.decode([tid]) and abs(entry.logprob - row[tid].item()) < TOL
         assert entry.bytes == list(entry.token.encode())
         top = row.topk(2)
-        assert [e.token for e in entry.top_logprobs] == [tok.decode([i]) for i in top.indices.tolist()]
+        assert len(entry.top_logprobs) == 2
         assert all(abs(e.logprob - v) < TOL for e, v in zip(entry.top_logprobs, top.values.tolist()))
+        texts = {tok.decode([i]) for i in (row >= top.values[-1] - TOL).nonzero().flatten().tolist()}
+        assert {e.token for e in entry.top_logprobs} <= texts     # the top ids, up to near-ties
 
 
 def test_penalties_end_to_end_match_vllm_reference(server: Server, seed: int, tmp_path: Path) -> None:
@@ -145,7 +149,7 @@ def test_penalties_end_to_end_match_vllm_reference(server: Server, seed: int, tm
     for t, tid in enumerate(out):
         req.output = out[:t]
         z = reference_processed(logits[len(ids) - 1 + t].tolist(), req, eos)
-        assert tid == max(range(len(z)), key=z.__getitem__), t
+        assert z[tid] >= max(z) - TOL, t      # the processed argmax (up to server-vs-reference rounding)
 
 
 def test_n_seeded_choices_reproducible_and_different(server: Server, seed: int) -> None:
