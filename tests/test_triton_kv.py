@@ -44,6 +44,23 @@ def test_hisparse_triton_equals_torch(model, layout: str, seed: int) -> None:
 
 
 @needs_kernels
+def test_narrowed_rows_read_their_subset_of_the_plan(seed: int) -> None:
+    """A last layer that shares an earlier layer's selection runs on fewer rows (prefill computes logits for its
+    last row only, AttentionBatch.narrow_): it reads the arena rows of its subset of the launched plan."""
+    params = preset_params("tiny") | {"kv_source_layers": [0, 1, 2, 3, 4, 5, 6, 3],
+                                      "index_source_layers": [0, 1, 1, 3, 4, 4, 4, 4]}
+    model = random_model(params, seed=seed % 10_000).to(DEV)
+    prompt = torch.randint(0, model.cfg.vocab_size, (60,), generator=torch.Generator().manual_seed(seed)).tolist()
+    kvs = {k: HiSparseKV(model.cfg, "fp8_ds_mla", DEV, host_pool_gib=0.002, hot_buffer_tokens=6, resident_window=4,
+                         page_tokens=16, kernels=k) for k in ("torch", "triton")}
+    runs = {k: greedy_generate(model, kv, prompt, 3, chunk=30, keep_logits=True) for k, kv in kvs.items()}
+    assert runs["triton"].tokens == runs["torch"].tokens
+    for a, b in zip(runs["triton"].logits, runs["torch"].logits):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert kvs["triton"].stats.misses == kvs["torch"].stats.misses > 0
+
+
+@needs_kernels
 def test_resident_triton_equals_torch(model, seed: int) -> None:
     prompt = torch.randint(0, model.cfg.vocab_size, (50,), generator=torch.Generator().manual_seed(seed)).tolist()
     runs = [greedy_generate(model, ResidentKV(model.cfg, "fp8_ds_mla", DEV, kernels=k), prompt, 4, chunk=25,

@@ -13,6 +13,7 @@ bytes ResidentKV stores, so outputs are bit-identical with HiSparse on and off.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +26,9 @@ from ..model.kv import LatentKV, RowSource
 from .arena import DeviceArena
 from .copier import Copier
 from .resolver import EXTRA, HotSlots, Plan, resolve
+
+if TYPE_CHECKING:
+    from .kernels.miss_path_triton import MissPath
 
 DEFAULT_WINDOW = 64
 DEFAULT_SINKS = 4
@@ -60,9 +64,9 @@ class HiSparseKV(LatentKV):
         self.plans: dict[int, Plan] = {}
         self.located: tuple[torch.Tensor, torch.Tensor] | None = None   # (selection, its plan entries)
         self.fetched: dict[int, tuple[torch.Tensor, object | None]] = {}   # layer -> (its misses' rows, event)
-        # Triton path: layer -> (arena rows of its selections [n, k], this step's transient rows or None), and the
-        # step's hits, misses and overlapped copies counted on the device (read once, at end_step)
-        self.kernel_rows: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        # Triton path: index group -> (the selection its miss path ran on, the result), and the step's hits,
+        # misses and overlapped copies counted on the device (read once, at end_step)
+        self.kernel_plans: dict[int, tuple[torch.Tensor, MissPath]] = {}
         self.kernel_counts = torch.zeros(3, dtype=torch.long, device=self.device)
         self.pool_offsets = {g: torch.tensor([pool.layer_offset(m) for m in ms], dtype=torch.long, device=self.device)
                              for g, ms in self.members.items()}       # where each member's rows start in pool.rows
@@ -99,7 +103,7 @@ class HiSparseKV(LatentKV):
         self.step_rows = self.located = None
         self.plans.clear()
         self.fetched.clear()
-        self.kernel_rows.clear()
+        self.kernel_plans.clear()
 
     def end_step(self) -> None:
         """Finish the host backups, then move the step's newest rows into the resident windows (one gather and
@@ -120,7 +124,7 @@ class HiSparseKV(LatentKV):
         self.step_rows = self.step_host_rows = self.located = None
         self.plans.clear()
         self.fetched.clear()
-        self.kernel_rows.clear()
+        self.kernel_plans.clear()
         if self.kernels == "triton":     # the step's one read of the device counters
             hits, misses, overlapped = self.kernel_counts.tolist()
             self.kernel_counts.zero_()
@@ -148,13 +152,13 @@ class HiSparseKV(LatentKV):
             store, idx, extra = self.stored_rows(layer, seg, sel)
             n = store.shape[0]
 
-            def kernel_rows(lo: int, hi: int) -> torch.Tensor:
+            def stored(lo: int, hi: int) -> torch.Tensor:
                 out = self.layout.gather_unpack(store, idx[lo:hi].clamp(0, n - 1), self.dtype)
                 if extra is not None:   # transient misses: rows idx - n of this step's extra rows
                     fresh = self.layout.gather_unpack(extra, (idx[lo:hi] - n).clamp(min=0), self.dtype)
                     out = torch.where((idx[lo:hi] >= n)[..., None], fresh, out)
                 return out
-            return kernel_rows
+            return stored
         group = self.cfg.layers[layer].index_source
         plan = self.plans.get(group)
         if plan is None:
@@ -184,20 +188,25 @@ class HiSparseKV(LatentKV):
         """The Triton path: at the index group owner's first call of the step, one miss-path launch resolves
         every request's selections, copies every member layer's misses from the host pool and returns the arena
         rows of every selection; members then read their own."""
-        if layer not in self.kernel_rows:
-            self.run_miss_path(self.cfg.layers[layer].index_source, seg, sel)
-        idx, extra = self.kernel_rows[layer]
-        return self.arena.data, idx, extra
+        group = self.cfg.layers[layer].index_source
+        if group not in self.kernel_plans:
+            self.run_miss_path(group, seg, sel)
+        launched, out = self.kernel_plans[group]
+        i = self.members[group].index(layer)
+        extra = None if out.extra is None else out.extra[i]
+        if sel is launched:
+            return self.arena.data, out.idx[i], extra
+        # a member past the narrowed rows (AttentionBatch.narrow_) reads a subset of the planned rows, by key
+        return self.arena.data, out.rows_of(seg, sel, self.arena.kind_base[layer], self.arena.data.shape[0]), extra
 
     def run_miss_path(self, group: int, seg: torch.Tensor, sel: torch.Tensor) -> None:
-        from .kernels.miss_path_triton import miss_path
+        from .kernels.miss_path_triton import miss_path   # imports triton: only on the Triton path
         a, members = self.arena, self.members[group]
         out = miss_path(self.hot[group], self.step_slot, self.tables.start, self.step_row0, self.win_lo,
                         self.win_len, self.sinks, self.window, seg, sel, self.step, self.tables.pages,
                         self.page_tokens, self.pool.rows, self.pool_offsets[group], a.data,
                         torch.stack([a.kind_base[m] for m in members]), max_rows_per_seg=self.max_rows)
-        for i, m in enumerate(members):
-            self.kernel_rows[m] = (out.idx[i], None if out.extra is None else out.extra[i])
+        self.kernel_plans[group] = (sel, out)
         unique, misses = out.counts.sum(0)
         n = len(members)
         self.kernel_counts += torch.stack((n * (unique - misses), n * misses, (n - 1) * misses))

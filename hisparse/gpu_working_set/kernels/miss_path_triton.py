@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from .. import resolver
-from ..resolver import KEY_SPAN, NO_KEY, NONE, HotSlots
+from ..resolver import EXTRA, KEY_SPAN, NO_KEY, NONE, HotSlots
 from .triton_support import next_pow2, require
 
 SLOT_BITS = 20      # a hot slot id packed under a position or a stamp: n_slots < 2^20
@@ -51,6 +51,15 @@ class MissPath:
     kind: torch.Tensor
     local: torch.Tensor
     counts: torch.Tensor
+
+    def rows_of(self, seg: torch.Tensor, sel: torch.Tensor, kind_base: torch.Tensor, n_arena_rows: int
+                ) -> torch.Tensor:
+        """Arena rows (as `idx`) of a selection sel [n', k] of rows seg [n'] that are a subset of the launch's
+        rows, for one member layer (kind_base [5]): its entries found by key, as `resolver.Plan.locate`."""
+        j = torch.searchsorted(self.keys, torch.where(sel >= 0, seg[:, None] * KEY_SPAN + sel, NO_KEY))
+        kind, local = self.kind[j], self.local[j]
+        rows = torch.where(kind == EXTRA, n_arena_rows + local, kind_base[kind] + local)
+        return torch.where(sel >= 0, rows, -1)
 
 
 def _miss_path_kernel(
