@@ -55,8 +55,9 @@ def from_checkpoint_name(name: str) -> str:
 class ShardedTensors:
     """Read-only view of consolidated*.safetensors (one file, several, or an index json's weight_map).
 
-    Tensors are read by slice from the memory-mapped files (`safe_open(...).get_slice`): a read copies only the
-    region asked for, so a reader of part of a tensor (a tensor-parallel rank, an expert subset) reads that part."""
+    Tensors are read by slice from the memory-mapped files (`safe_open(...).get_slice`): a read touches only the
+    bytes of the region asked for, so a reader of part of a tensor (a tensor-parallel rank, an expert subset) reads
+    that part."""
 
     def __init__(self, model_dir: Path):
         index = sorted(model_dir.glob("consolidated*.safetensors.index.json"))
@@ -80,7 +81,8 @@ class ShardedTensors:
         return tuple(self.where[name].get_slice(name).get_shape())
 
     def read(self, name: str, region: Region | None = None) -> torch.Tensor:
-        """The tensor, or only `region` of it (one slice per leading dim), as a new host tensor."""
+        """The tensor, or only `region` of it (one slice per leading dim), on the host: a view of the file's
+        private (copy-on-write) mapping where safetensors can give one, else a copy of the region."""
         view = self.where[name].get_slice(name)
         return view[region] if region else view[:]
 
@@ -124,9 +126,9 @@ def held_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
 def load_weights(model: nn.Module, ckpt: ShardedTensors, block: tuple[int, int], device: torch.device | str,
                  dtype: torch.dtype, select: Select | None = None, progress: bool = True) -> None:
     """Fill every parameter of `model` (built on the meta device, so nothing is allocated twice) from `ckpt`, one
-    tensor region at a time: read by slice, cast to its held dtype, moved to `device`, then dropped from the host.
-    Tensors with a `.qscale_weight` stay FP8 (their `Linear` takes weight + block scales). Host memory beyond the
-    model held there peaks at about one region (plus its cast). Errors name the tensor."""
+    tensor region at a time: read by slice, cast to its held dtype and placed on `device` before the next is read.
+    Tensors with a `.qscale_weight` stay FP8 (their `Linear` takes weight + block scales). Host memory beyond what
+    the model holds on the host peaks at about one region and its cast. Errors name the tensor."""
     params = list(model.named_parameters())
     total = sum(p.numel() for _, p in params)
     with tqdm(total=total, unit="param", unit_scale=True, desc="loading weights", disable=None if progress else True,
