@@ -106,6 +106,33 @@ def test_echo_without_generation_scores_the_prompt(server: Server, seed: int, tm
     assert (got - want).abs().max() < TOL
 
 
+def test_batched_prompts_scored_as_lm_eval_does(server: Server, seed: int, tmp_path: Path) -> None:
+    """lm-eval's local-completions loglikelihood: a batch of token-id prompts, echo, logprobs 1, max_tokens 1;
+    it sums token_logprobs[ctxlen:-1] of each choice (sorted by index). Text prompts batch the same way."""
+    ids = [prompt_ids(20, seed + 10), prompt_ids(31, seed + 11)]
+    body = {"prompt": ids, "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234, "echo": True}
+    r = post(server, "/v1/completions", body).json()
+    choices = sorted(r["choices"], key=lambda c: c["index"])
+    assert [c["index"] for c in choices] == [0, 1] and r["usage"]["prompt_tokens"] == 51
+    for c, p in zip(choices, ids):
+        lps = c["logprobs"]["token_logprobs"]
+        assert len(lps) == len(p) + 1 and lps[0] is None
+        ctx = 5     # the continuation: tokens 5.. of the prompt
+        ref = ref_logprobs(server, p, tmp_path)
+        want = sum(ref[j - 1, p[j]].item() for j in range(ctx, len(p)))
+        assert abs(sum(lps[ctx:-1]) - want) < TOL * len(p)
+    # n choices per prompt: prompt j's choice i has index j x n + i; text prompts as well
+    r = post(server, "/v1/completions", {"prompt": ["Hello", "Good night"], "n": 2, "max_tokens": 3,
+                                         "temperature": 0, "return_token_ids": True}).json()
+    by_index = {c["index"]: c for c in r["choices"]}
+    assert sorted(by_index) == [0, 1, 2, 3]
+    assert by_index[0]["token_ids"] == by_index[1]["token_ids"] != by_index[2]["token_ids"] == by_index[3]["token_ids"]
+    alone = post(server, "/v1/completions", {"prompt": "Good night", "max_tokens": 3, "temperature": 0,
+                                             "return_token_ids": True}).json()["choices"][0]
+    assert by_index[2]["prompt_token_ids"] == alone["prompt_token_ids"] and by_index[2]["token_ids"] == alone["token_ids"]
+    assert r["usage"]["completion_tokens"] == 12
+
+
 def test_chat_logprobs_equal_hisparse_logits(server: Server, tok, tmp_path: Path) -> None:
     messages = [{"role": "user", "content": "Tell me about sparse attention and host memory."}]
     prompt = post(server, "/tokenize", {"messages": messages}).json()["tokens"]
@@ -228,6 +255,8 @@ def test_vllm_fields_accepted_ignored_or_refused(server: Server) -> None:
             ("/v1/completions", {**base, "stream": True, "prompt_logprobs": 1}, "prompt_logprobs"),
             ("/v1/completions", {**base, "max_tokens": 0}, "max_tokens"),
             ("/v1/completions", {**base, "frobnicate": 1}, "frobnicate"),
+            ("/v1/completions", {**base, "prompt": [[1, 2], []]}, "prompt"),
+            ("/v1/completions", {**base, "prompt": ["a", [1]]}, "prompt"),
             ("/v1/chat/completions", {**h, "top_logprobs": 2}, "top_logprobs"),
             ("/v1/chat/completions", {**h, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
             ("/v1/chat/completions", {**h, "echo": True}, "echo"),

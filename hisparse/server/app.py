@@ -140,13 +140,15 @@ def build_app(engine: Engine, tokenizer: MistralTokenizer, cfg: ServerConfig) ->
             raise APIError(400, "debug_forced_token_ids: only accepted by a server started with --debug-hooks",
                            "debug_forced_token_ids")
 
-    def submit(prompt: list[int], req: SamplingFields, max_tokens: int, prefix: str, logprobs: int | None = None,
-               prompt_logprobs: int | None = None) -> tuple[str, AsyncIterator[tuple[int, RequestOutput]]]:
-        """One engine request per choice (vLLM's seed + index each); returns the API request's id and the merged
-        outputs of its choices."""
+    def submit(prompts: list[list[int]], req: SamplingFields, max_tokens: int, prefix: str,
+               logprobs: int | None = None, prompt_logprobs: int | None = None
+               ) -> tuple[str, AsyncIterator[tuple[int, RequestOutput]]]:
+        """One engine request per prompt and choice (choice i: vLLM's seed + i), indexed prompt x n + i; returns
+        the API request's id and the merged outputs of its choices."""
         rid = f"{prefix}-{uuid.uuid4().hex}"
         params = [req.sampling_params(max_tokens, logprobs, prompt_logprobs, seed) for seed in req.choice_seeds()]
-        streams = [state["client"].submit(prompt, p, f"{rid}-{i}") for i, p in enumerate(params)]
+        streams = [state["client"].submit(prompt, p, f"{rid}-{j * req.n + i}")
+                   for j, prompt in enumerate(prompts) for i, p in enumerate(params)]
         return rid, merged(streams)
 
     def failed(out: RequestOutput) -> APIError:
@@ -199,23 +201,26 @@ def build_app(engine: Engine, tokenizer: MistralTokenizer, cfg: ServerConfig) ->
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         check_common(req)
-        prompt = await asyncio.to_thread(text_tok.encode, req.prompt, True, False) if isinstance(req.prompt, str) \
-            else req.prompt      # tokenising a long prompt must not block the event loop
+        prompts = await asyncio.to_thread(   # tokenising long prompts must not block the event loop
+            lambda: [text_tok.encode(p, True, False) if isinstance(p, str) else p for p in req.prompts])
         prompt_only = req.max_tokens == 0     # echo without generation: the prompt and its logprobs alone
         echo_logprobs = req.logprobs if req.echo and req.prompt_logprobs is None else req.prompt_logprobs
-        rid, outputs = submit(prompt, req, 1 if prompt_only else req.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS,
+        rid, outputs = submit(prompts, req, 1 if prompt_only else req.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS,
                               "cmpl", None if prompt_only else req.logprobs, echo_logprobs)
         created = now()
-        prompt_text = req.prompt if isinstance(req.prompt, str) else text_tok.decode(prompt)
-        lp_builders = [CompletionLogprobs(text_tok.decode) for _ in range(req.n)]
-        echoed, sent_ids = [False] * req.n, [False] * req.n
+        texts = [p if isinstance(p, str) else text_tok.decode(ids) for p, ids in zip(req.prompts, prompts)]
+        num = len(prompts) * req.n            # choices: prompt j's choice i has index j x n + i
+        prompt_tokens = sum(map(len, prompts))
+        lp_builders = [CompletionLogprobs(text_tok.decode) for _ in range(num)]
+        echoed, sent_ids = [False] * num, [False] * num
 
         def choice(i: int, out: RequestOutput, text: str, reason: str | None) -> dict:
             """A choice for `out` (text: its text); the first of each choice carries the echoed prompt."""
+            prompt = prompts[i // req.n]
             ids, lps = ([], []) if prompt_only else (out.new_token_ids, out.logprobs)
             if req.echo and not echoed[i]:
                 echoed[i] = True
-                text = prompt_text + ("" if prompt_only else text)
+                text = texts[i // req.n] + ("" if prompt_only else text)
                 ids = prompt + ids
                 lps = [None, *out.prompt_logprobs, *lps] if req.logprobs is not None else lps
             elif prompt_only:
@@ -245,12 +250,12 @@ def build_app(engine: Engine, tokenizer: MistralTokenizer, cfg: ServerConfig) ->
                             yield sse(body([choice(i, out, out.text_delta, out.finish_reason if out.finished
                                                    else None)]))
                         done += out.finished
-                        if out.finished and req.include_usage and done == req.n:
-                            yield sse({**body([]), "usage": Usage.of(out.prompt_tokens, tokens).model_dump()})
+                        if out.finished and req.include_usage and done == num:
+                            yield sse({**body([]), "usage": Usage.of(prompt_tokens, tokens).model_dump()})
                 yield sse("[DONE]")
             return StreamingResponse(events(), media_type="text/event-stream")
 
-        outs = [RequestOutput(rid, [], "") for _ in range(req.n)]   # each choice's outputs merged
+        outs = [RequestOutput(rid, [], "") for _ in range(num)]   # each choice's outputs merged
 
         def each(i: int, out: RequestOutput) -> None:
             outs[i] = merge_outputs(outs[i], out)
@@ -264,7 +269,7 @@ def build_app(engine: Engine, tokenizer: MistralTokenizer, cfg: ServerConfig) ->
             for c, o in zip(choices, outs):
                 c["prompt_logprobs"] = prompt_logprobs(o.prompt_logprobs, text_tok.decode)
         completion = sum(o.output_tokens for o in outs)
-        return {**body(choices), "usage": Usage.of(len(prompt), completion).model_dump()}
+        return {**body(choices), "usage": Usage.of(prompt_tokens, completion).model_dump()}
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
@@ -272,7 +277,7 @@ def build_app(engine: Engine, tokenizer: MistralTokenizer, cfg: ServerConfig) ->
         prompt = await asyncio.to_thread(chat_encoder.encode, req)
         max_tokens = req.max_completion_tokens or req.max_tokens or \
             max(1, min(CHAT_DEFAULT_MAX_TOKENS, cfg.max_model_len - len(prompt)))
-        rid, outputs = submit(prompt, req, max_tokens, "chatcmpl", req.top_logprobs or 0 if req.logprobs else None,
+        rid, outputs = submit([prompt], req, max_tokens, "chatcmpl", req.top_logprobs or 0 if req.logprobs else None,
                               req.prompt_logprobs)
         parsers = [OutputParser(markers, text_tok.decode, tuple(req.stop), req.min_tokens) for _ in range(req.n)]
         created = now()

@@ -154,7 +154,7 @@ class SamplingFields(VLLMFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int]
+    prompt: str | list[int] | list[str] | list[list[int]]    # one prompt, or a batch (each gets n choices)
     max_tokens: int | None = Field(default=None, ge=0)   # 0 only with echo: the prompt's logprobs alone
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -166,10 +166,21 @@ class CompletionRequest(SamplingFields):
 
     @field_validator("prompt")
     @classmethod
-    def _prompt(cls, v: str | list[int]) -> str | list[int]:
+    def _prompt(cls, v: str | list[int] | list[str] | list[list[int]]) -> str | list[int] | list[str] | list[list[int]]:
         if isinstance(v, list) and not v:
             raise ValueError("prompt token list must not be empty")
+        batch = v if isinstance(v, list) and isinstance(v[0], (str, list)) else [v]
+        if any(isinstance(p, list) and not p for p in batch):
+            raise ValueError("prompt token lists must not be empty")
+        if len(batch) > MAX_N:
+            raise ValueError(f"at most {MAX_N} prompts per request, got {len(batch)}")
         return v
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The batch of prompts (one for a single prompt)."""
+        v = self.prompt
+        return v if isinstance(v, list) and isinstance(v[0], (str, list)) else [v]
 
     @model_validator(mode="after")
     def _completion(self):
