@@ -17,25 +17,29 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 from .gpu_working_set.kernels import miss_path_triton
-from .model.kernels import sparse_mla_triton
+from .model.kernels import indexer_triton, sparse_mla_triton
 
 SHARED_LIMIT = {90: 232448}   # shared memory one block may use, by target (sm_90: 227 KiB)
 
 SOURCES = {"miss_path": miss_path_triton.aot_source,
            "sparse_mla_fp8_ds_mla": lambda: sparse_mla_triton.aot_source("fp8_ds_mla"),
-           "sparse_mla_bf16": lambda: sparse_mla_triton.aot_source("bf16")}
+           "sparse_mla_bf16": lambda: sparse_mla_triton.aot_source("bf16"),
+           "index_scores": indexer_triton.aot_source}
+# compile options a kernel is launched with (the indexer's rounding contract forbids fused multiply-adds)
+OPTIONS = {"index_scores": {"enable_fp_fusion": False}}
 
 
 def compile_all(arch: int = 90, warp_size: int = 32) -> dict[str, dict]:
-    """Compile every kernel for CUDA sm_<arch>: per kernel the stages produced, cubin bytes, warps, shared
-    memory and compile seconds; raises on the first kernel that does not compile or that needs more shared
+    """Compile every kernel for CUDA sm_<arch>: per kernel the stages produced, cubin and PTX bytes, fused
+    multiply-adds in the PTX, warps, shared memory and compile seconds; raises on the first kernel that does not compile or that needs more shared
     memory than the target has (it would compile and then fail at launch)."""
     out = {}
     for name, source in SOURCES.items():
         t0 = time.perf_counter()
-        compiled = triton.compile(source(), target=GPUTarget("cuda", arch, warp_size))
+        compiled = triton.compile(source(), target=GPUTarget("cuda", arch, warp_size), options=OPTIONS.get(name))
         out[name] = {"stages": sorted(compiled.asm), "cubin_bytes": len(compiled.asm["cubin"]),
-                     "ptx_bytes": len(compiled.asm["ptx"]), "num_warps": compiled.metadata.num_warps,
+                     "ptx_bytes": len(compiled.asm["ptx"]), "ptx_fma": compiled.asm["ptx"].count("fma.rn"),
+                     "num_warps": compiled.metadata.num_warps,
                      "shared_bytes": compiled.metadata.shared, "seconds": round(time.perf_counter() - t0, 1)}
         if compiled.metadata.shared > SHARED_LIMIT.get(arch, compiled.metadata.shared):
             raise RuntimeError(f"{name}: {compiled.metadata.shared} B of shared memory exceed sm_{arch}'s "

@@ -119,8 +119,8 @@ class LatentKV(ABC):
                  pages: PageTable, kernels: str = "torch"):
         self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
         self.layout = row_layout(cfg, layout) if layout else None
-        # 'triton': `attend` runs the Triton sparse MLA kernel over the stored bytes (`stored_rows`); 'torch':
-        # decoded rows and `sparse_mla` (KVSettings.kernel_path chooses)
+        # 'triton': `select` scores with the Triton indexer kernel and `attend` runs the Triton sparse MLA kernel
+        # over the stored bytes (`stored_rows`); 'torch': torch ops (KVSettings.kernel_path chooses)
         self.kernels = kernels if self.layout else "torch"
         self.pages, self.page_tokens = pages, pages.page_tokens
         self.index_keys = PagedStore(cfg.index_owner_layers, cfg.index_head_dim, dtype, self.device,
@@ -170,6 +170,10 @@ class LatentKV(ABC):
                positions: torch.Tensor) -> torch.Tensor:
         """Top-k positions [n, k] (ascending, -1 padded) of query rows q [n, HI, dI], w [n, HI] at `positions`
         of segments `seg`, over each row's own request's keys at positions <= its own."""
+        if self.kernels == "triton":
+            from .kernels.indexer_triton import paged_topk_triton
+            return paged_topk_triton(q, indexer.head_weights(w), self.index_keys.data[layer], self.tables.pages,
+                                     self.page_tokens, seg, positions + 1, self.tables.max_end, indexer.topk)
         return paged_topk(indexer, q, w, self.index_keys.data[layer], self.tables.pages, self.page_tokens, seg,
                           positions + 1, self.tables.max_end)[0]
 

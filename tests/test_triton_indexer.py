@@ -1,0 +1,61 @@
+"""The Triton indexer scoring kernel against the torch path: the same score bits as `index_scores` (fp32 and
+fp64), so the exact top-k selects what `paged_topk` selects, near-ties and exact ties included. Without CUDA the
+kernel runs under Triton's interpreter (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hisparse.gpu_working_set.kernels import triton_support
+from hisparse.model.indexer import index_scores, paged_topk
+
+pytestmark = pytest.mark.skipif(
+    not (triton_support.available() and (torch.cuda.is_available() or triton_support.interpreted())),
+    reason="needs triton, and CUDA or the Triton interpreter (TRITON_INTERPRET=1 before triton is imported)")
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class Topk:
+    """What paged_topk needs of an Indexer: head_weights (identity here: wr given) and topk."""
+
+    def __init__(self, k: int):
+        self.topk, self.n_heads = k, 3
+
+    def head_weights(self, w: torch.Tensor) -> torch.Tensor:
+        return w
+
+
+def paged_case(g: torch.Generator, dtype: torch.dtype, ties: bool):
+    n, HI, dI, P, S = 5, 3, 8, 4, 3
+    lengths = torch.tensor([1, 9, 23])
+    n_pages = 6
+    table = torch.stack([torch.randperm(S * n_pages, generator=g)[:n_pages] for _ in range(S)])
+    keys = torch.randn(S * n_pages * P, dI, generator=g, dtype=dtype)
+    if ties:     # whole-key duplicates (exact ties) and keys a rounding step apart (near-ties)
+        keys[1::3] = keys[0:-1:3]
+        keys[2::5] = keys[2::5] * (1 + torch.finfo(dtype).eps)
+    q = torch.randn(n, HI, dI, generator=g, dtype=dtype)
+    wr = torch.rand(n, HI, generator=g, dtype=dtype) - 0.2
+    seg = torch.tensor([0, 1, 1, 2, 2])
+    n_visible = torch.minimum(lengths[seg], torch.tensor([1, 4, 9, 17, 23]))
+    return q, wr, keys, table, P, seg, n_visible, int(lengths.max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("ties", [False, True])
+def test_scores_bit_identical_and_same_selection(dtype: torch.dtype, ties: bool, seed: int) -> None:
+    from hisparse.model.kernels.indexer_triton import paged_scores, paged_topk_triton
+    g = torch.Generator().manual_seed(seed)
+    q, wr, keys, table, P, seg, n_visible, L = paged_case(g, dtype, ties)
+    j = torch.arange(L)
+    per_row = keys[table[seg][:, j // P] * P + j % P]                                   # [n, L, dI]
+    ref = index_scores(q, wr, per_row, n_visible - 1)
+    d = lambda t: t.to(DEV)    # noqa: E731
+    got = paged_scores(d(q), d(wr), d(keys), d(table), P, d(seg), d(n_visible), L, block_s=8).cpu()
+    assert torch.equal(got, ref)
+    for k in (4, 30):
+        cols, _ = paged_topk(Topk(k), q, wr, keys, table, P, seg, n_visible, L)
+        assert torch.equal(paged_topk_triton(d(q), d(wr), d(keys), d(table), P, d(seg), d(n_visible), L, k).cpu(),
+                           cols)
