@@ -69,8 +69,8 @@ class KVSettings:
     resident_window: int | None = None     # newest tokens per request kept on the device; None: 64
     page_tokens: int = 64                  # tokens per page: the allocation unit of the host pool (or of the
                                            # device store with offload 'none')
-    kernels: str = "auto"                  # 'triton': the miss path and sparse MLA as Triton kernels; 'torch':
-                                           # torch ops (+ the C++ CPU kernels); 'auto': triton on CUDA, else torch
+    kernels: str = "auto"                  # 'triton': miss path, indexer scoring and sparse MLA as Triton kernels;
+                                           # 'torch': torch ops (+ the C++ CPU kernels); 'auto': triton on CUDA
 
     def __post_init__(self) -> None:
         """Validate every field; KVSettingsError names the first bad one."""
@@ -139,8 +139,9 @@ class KVSettings:
                                                    f"(default: {DEFAULT_WINDOW})"),
             "page_tokens": dict(type=int, help="tokens per page of the host pool (of the device store with "
                                                "--kv-offload none) (default: %(default)s)"),
-            "kernels": dict(choices=KERNELS, help="miss path and sparse attention as Triton kernels or torch ops; "
-                                                  "auto: triton on CUDA, torch elsewhere (default: %(default)s)"),
+            "kernels": dict(choices=KERNELS, help="miss path, indexer scoring and sparse attention as Triton "
+                                                  "kernels or torch ops; auto: triton on CUDA, torch elsewhere "
+                                                  "(default: %(default)s)"),
         }
         for name in default if names is None else names:
             parser.add_argument(_flag(name), default=default[name], **flags[name])
