@@ -31,8 +31,8 @@ OPTIONS = {"index_scores": {"enable_fp_fusion": False}}
 
 def compile_all(arch: int = 90, warp_size: int = 32) -> dict[str, dict]:
     """Compile every kernel for CUDA sm_<arch>: per kernel the stages produced, cubin and PTX bytes, fused
-    multiply-adds in the PTX, warps, shared memory and compile seconds; raises on the first kernel that does not compile or that needs more shared
-    memory than the target has (it would compile and then fail at launch)."""
+    multiply-adds in the PTX, warps, shared memory and compile seconds; raises on the first kernel that does not
+    compile or that needs more shared memory than the target has (it would compile and then fail at launch)."""
     out = {}
     for name, source in SOURCES.items():
         t0 = time.perf_counter()

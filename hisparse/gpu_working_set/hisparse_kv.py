@@ -6,8 +6,10 @@ step's new rows sit in the arena's step region until the step ends; indexer keys
 Every seam call covers the whole batch: `write` stores every request's new rows (and backs them up to the host
 pool), and the first `gather` of an index group resolves every request's selections at once (`resolver.resolve`)
 and copies all misses of every member layer from the host pool in one index_select per layer, so the
-followers' copies overlap the owner's attention. A gather is then one index into the arena. Rows are the same
-bytes ResidentKV stores, so outputs are bit-identical with HiSparse on and off.
+followers' copies overlap the owner's attention. A gather is then one index into the arena. With
+`kernels='triton'` one miss-path launch per index group does the resolve, the copies and the indexing
+(`stored_rows`). Rows are the same bytes ResidentKV stores, so outputs are bit-identical with HiSparse on and off
+(on either kernel path).
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ class HiSparseKV(LatentKV):
     def __init__(self, cfg: ModelConfig, layout: str = "fp8_ds_mla", device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, host_pool_gib: float = 4.0,
                  hot_buffer_tokens: int | None = None, resident_window: int | None = None,
-                 sink_tokens: int = DEFAULT_SINKS, page_tokens: int = 64, kernels: str = "torch"):
+                 sink_tokens: int = DEFAULT_SINKS, page_tokens: int = 64, kernels: str = "torch",
+                 index_cache: str = "fp32"):
         if layout is None:
             raise ValueError("kv_layout: HiSparse stores packed rows; choose 'fp8_ds_mla' or 'bf16'")
         n_slots = hot_buffer_tokens if hot_buffer_tokens is not None else 2 * cfg.index_topk
@@ -46,7 +49,7 @@ class HiSparseKV(LatentKV):
         if n_slots < 0 or window < 0 or sink_tokens < 0:
             raise ValueError("hot_buffer_tokens, resident_window and sink tokens must be >= 0")
         pool = HostPool(row_layout(cfg, layout), cfg.kv_source_layers, host_pool_gib, page_tokens)
-        super().__init__(cfg, layout, device, dtype, pool.pages, kernels)
+        super().__init__(cfg, layout, device, dtype, pool.pages, kernels, index_cache)
         self.pool, self.n_slots, self.window, self.sinks = pool, n_slots, window, sink_tokens
         self.copier = Copier(self.device)
         self.members = {o: [l.index for l in cfg.layers if l.index_source == o] for o in cfg.index_owner_layers}

@@ -71,7 +71,7 @@ def _sparse_mla_kernel(
         q_ptr, q_s0, q_s1, qr_ptr, qr_s0, qr_s1, gain_ptr, g_s0,     # q_lat [n, H, r], q_rope [n, H, dR], gain [n, H]
         idx_ptr, idx_s0, k, H, scale,                              # idx [n, k] rows (-1: none)
         u8_ptr, f32_ptr, i16_ptr, n_store,                         # store [n_store, B] and its word views
-        xu8_ptr, xf32_ptr, xi16_ptr,                               # extra rows: idx >= n_store reads extra[idx - n_store]
+        xu8_ptr, xf32_ptr, xi16_ptr,                               # extra rows (idx >= n_store: idx - n_store)
         out_ptr, lse_ptr,                                          # [n, H, r] fp32, [n, H] fp32
         B: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, TILE: tl.constexpr, LAYOUT: tl.constexpr,
         HAS_ROPE: tl.constexpr, HAS_GAIN: tl.constexpr, HAS_EXTRA: tl.constexpr,
@@ -165,7 +165,8 @@ def sparse_mla_rows(q_lat: torch.Tensor, q_rope: torch.Tensor | None, store: tor
     return out.to(q_lat.dtype), lse.to(q_lat.dtype)
 
 
-def aot_source(layout: str = "fp8_ds_mla", rank: int = 512, rope_dim: int = 64, block_k: int = 16) -> triton.compiler.ASTSource:
+def aot_source(layout: str = "fp8_ds_mla", rank: int = 512, rope_dim: int = 64, block_k: int = 16
+               ) -> triton.compiler.ASTSource:
     """The kernel as `sparse_mla_rows` launches it for fp32 queries over rows of `layout` (full size by
     default: ML4's r = 512, dR = 64), with rope, gain and extra rows, for ahead-of-time compilation."""
     rows = RowLayout.create(layout, rank, rope_dim)
