@@ -16,12 +16,13 @@ import time
 import triton
 from triton.backends.compiler import GPUTarget
 
-from .gpu_working_set.kernels import miss_path_triton
+from .gpu_working_set.kernels import backup_triton, miss_path_triton
 from .model.kernels import indexer_triton, sparse_mla_triton
 
 SHARED_LIMIT = {90: 232448}   # shared memory one block may use, by target (sm_90: 227 KiB)
 
 SOURCES = {"miss_path": miss_path_triton.aot_source,
+           "backup": backup_triton.aot_source,
            "sparse_mla_fp8_ds_mla": lambda: sparse_mla_triton.aot_source("fp8_ds_mla"),
            "sparse_mla_bf16": lambda: sparse_mla_triton.aot_source("bf16"),
            "index_scores": indexer_triton.aot_source}

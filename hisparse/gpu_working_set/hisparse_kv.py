@@ -74,6 +74,7 @@ class HiSparseKV(LatentKV):
         self.pool_offsets = {g: torch.tensor([pool.layer_offset(m) for m in ms], dtype=torch.long, device=self.device)
                              for g, ms in self.members.items()}       # where each member's rows start in pool.rows
         self.max_rows = 0       # the most query rows one segment of this step has
+        self.step_pool_rows: torch.Tensor | None = None   # step_host_rows on the device (Triton backups)
 
     # ---- capacity ----
     def token_capacity(self) -> int:
@@ -101,6 +102,8 @@ class HiSparseKV(LatentKV):
         self.step_row0 = (torch.cumsum(lengths, 0) - lengths).to(self.device)
         self.step_host_rows = paged_rows(self.tables.host_pages, seg, positions, self.page_tokens)
         self.max_rows = max((s.length for s in segments), default=0)
+        if self.kernels == "triton":      # the backup kernel addresses the pool from the device
+            self.step_pool_rows = self.step_host_rows.to(self.device)
         self.step += 1
         self.stats.steps += 1
         self.step_rows = self.located = None
@@ -145,8 +148,12 @@ class HiSparseKV(LatentKV):
             self.step_rows = (seg, positions)
         a = self.arena
         a.data[a.step_base[layer]: a.step_base[layer] + data.shape[0]] = data
-        view = self.pool.layer_view(layer)
-        self.copier.backup(data, lambda d, v=view, r=self.step_host_rows: v.index_copy_(0, r, d.cpu()))
+        if self.kernels == "triton":      # straight into the pool, ordered before the next step's miss path
+            from .kernels.backup_triton import backup
+            backup(data, self.pool.rows, self.step_pool_rows + self.pool.layer_offset(layer))
+        else:
+            view = self.pool.layer_view(layer)
+            self.copier.backup(data, lambda d, v=view, r=self.step_host_rows: v.index_copy_(0, r, d.cpu()))
         self.stats.device_to_host_bytes += data.numel()
 
     def gather(self, layer: int, seg: torch.Tensor, sel: torch.Tensor) -> RowSource:
