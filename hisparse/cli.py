@@ -131,7 +131,7 @@ def cmd_logits(args: argparse.Namespace) -> None:
     from .model.weights import load_model
     model = load_model(model_dir(args.model, tokenizer=False, builtin_note=False), device=args.device)
     ids = _ids(args.prompt_ids, model.cfg.vocab_size)
-    kv = ResidentKV(model.cfg, layout=args.kv_layout, device=args.device)
+    kv = ResidentKV(model.cfg, layout=args.kv_layout, device=args.device, index_cache=args.index_cache)
     logits = model(torch.tensor(ids, device=args.device), [Segment(0, 0, len(ids))], kv)
     np.save(args.out, logits.float().cpu().numpy())
     print(f"wrote logits {tuple(logits.shape)} to {args.out}")
@@ -179,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help=".npy file to write")
     p.add_argument("--kv-layout", default=None, choices=LAYOUTS,
                    help="store the KV in this row format, as `serve` does (default: unquantised)")
+    KVSettings.add_args(p, ["index_cache"])
     p.add_argument("--device", default="cpu", help="compute device (default: %(default)s)")
     p.set_defaults(fn=cmd_logits)
 

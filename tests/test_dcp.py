@@ -38,10 +38,10 @@ SIZES, INTERLEAVES = (1, 2, 3, 4), (1, 2)
 GREEDY = 64
 
 
-def hisparse_kv(model) -> HiSparseKV:
+def hisparse_kv(model, index_cache: str = "fp32") -> HiSparseKV:
     """A store whose device working set (2 sinks + 4-token window + 4 hot slots) is far below the context."""
     return HiSparseKV(model.cfg, "fp8_ds_mla", dtype=model.dtype, host_pool_gib=0.002, hot_buffer_tokens=4,
-                      resident_window=4, sink_tokens=2, page_tokens=8)
+                      resident_window=4, sink_tokens=2, page_tokens=8, index_cache=index_cache)
 
 
 def scenario(model, kv: LatentKV, seed: int, greedy: int = GREEDY) -> dict:
@@ -80,18 +80,22 @@ def scenario(model, kv: LatentKV, seed: int, greedy: int = GREEDY) -> dict:
 
 
 def models(seed: int) -> dict:
-    return {"fp64": tiny_model(seed), "fp32": tiny_model(seed, torch.float32, sharp=False)}
+    fp64 = tiny_model(seed)
+    return {"fp64": fp64, "fp32": tiny_model(seed, torch.float32, sharp=False), "fp8_keys": fp64}
 
 
 def stores(models: dict) -> dict:
-    """fp64: HiSparse with fp8 rows; fp32: exact rows (see the module docstring)."""
-    return {"fp64": hisparse_kv(models["fp64"]), "fp32": ResidentKV(models["fp32"].cfg, None, dtype=torch.float32)}
+    """fp64: HiSparse with fp8 rows; fp32: exact rows (see the module docstring); fp8_keys: fp64's store with
+    132-B fp8 indexer-key records (each rank holds its own positions' records)."""
+    return {"fp64": hisparse_kv(models["fp64"]), "fp32": ResidentKV(models["fp32"].cfg, None, dtype=torch.float32),
+            "fp8_keys": hisparse_kv(models["fp8_keys"], index_cache="fp8")}
 
 
 def run_all(models: dict, wrap, seed: int) -> dict:
-    """fp64: the whole scenario; fp32: without the greedy part. wrap: store -> the store the model runs on."""
+    """fp64, fp8_keys: the whole scenario; fp32: without the greedy part. wrap: store -> the store the model
+    runs on."""
     kvs = stores(models)
-    return {name: scenario(m, wrap(kvs[name]), seed, GREEDY if name == "fp64" else 0) for name, m in models.items()}
+    return {name: scenario(m, wrap(kvs[name]), seed, 0 if name == "fp32" else GREEDY) for name, m in models.items()}
 
 
 def rank_main(group: DCPGroup, seed: int) -> dict:
@@ -166,6 +170,14 @@ def test_dcp_matches_single_rank(dcp_runs, size: int, interleave: int):
     assert err == 0.0 if size == 1 else err < 1e-12
     assert err32 == 0.0 if size == 1 else err32 < 1e-5
     assert got["greedy"] == ref["greedy"] and len(got["greedy"]) == GREEDY
+    # fp8 indexer keys: the single-rank selections and greedy tokens (logits within reassociation error)
+    ref8, got8 = refs["fp8_keys"], ranks[0][(size, interleave)]["fp8_keys"]
+    for want, have in zip(ref8["selections"], got8["selections"], strict=True):
+        assert all(torch.equal(w, h) for layer in want for w, h in zip(want[layer], have[layer], strict=True))
+    assert rel_error(ref8, got8) == 0.0 if size == 1 else rel_error(ref8, got8) < 1e-12
+    assert got8["greedy"] == ref8["greedy"] and len(got8["greedy"]) == GREEDY
+    assert any(not torch.equal(w, h) for a, b in zip(ref["selections"], ref8["selections"], strict=True)
+               for layer in a for w, h in zip(a[layer], b[layer], strict=True))    # the fp8 keys really scored
     # every rank computed the same logits (hidden states stay replicated) and really used its host pool
     for r in range(size):
         for name in ("fp64", "fp32"):

@@ -30,12 +30,13 @@ def small_hisparse(cfg, layout, **kw):
     return HiSparseKV(cfg, layout, **args)
 
 
-@pytest.mark.parametrize("layout", ["fp8_ds_mla", "bf16"])
-def test_on_equals_off_bit_identical(model, layout):
-    """A prompt ~15x the hot buffer, 64 greedy tokens: same tokens and bit-identical logits."""
+@pytest.mark.parametrize(("layout", "index_cache"), [("fp8_ds_mla", "fp32"), ("bf16", "fp32"), ("fp8_ds_mla", "fp8")])
+def test_on_equals_off_bit_identical(model, layout, index_cache):
+    """A prompt ~15x the hot buffer, 64 greedy tokens: same tokens and bit-identical logits (either index cache)."""
     prompt = torch.randint(0, model.cfg.vocab_size, (240,)).tolist()
-    off = greedy_generate(model, ResidentKV(model.cfg, layout), prompt, 64, chunk=53, keep_logits=True)
-    kv = small_hisparse(model.cfg, layout)
+    off = greedy_generate(model, ResidentKV(model.cfg, layout, index_cache=index_cache), prompt, 64, chunk=53,
+                          keep_logits=True)
+    kv = small_hisparse(model.cfg, layout, index_cache=index_cache)
     on = greedy_generate(model, kv, prompt, 64, chunk=53, keep_logits=True)
     assert on.tokens == off.tokens
     assert all(torch.equal(a, b) for a, b in zip(on.logits, off.logits))

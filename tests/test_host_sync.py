@@ -92,10 +92,10 @@ def device_path(monkeypatch):
     monkeypatch.setattr(indexer_topk, "available", lambda: False)
 
 
-def decode_step_syncs(model, kv_class, n: int) -> Counter:
+def decode_step_syncs(model, kv_class, n: int, index_cache: str = "fp32") -> Counter:
     cfg = model.cfg
     kw = {"host_pool_gib": 0.01, "hot_buffer_tokens": 16, "resident_window": 8} if kv_class is HiSparseKV else {}
-    kv = kv_class(cfg, "fp8_ds_mla", **kw)
+    kv = kv_class(cfg, "fp8_ds_mla", index_cache=index_cache, **kw)
     prompts = torch.randint(0, cfg.vocab_size, (n, 48))
     audit = SyncAudit()
     hooks = [h for layer in model.layers for h in (
@@ -113,12 +113,13 @@ def decode_step_syncs(model, kv_class, n: int) -> Counter:
     return audit.sites
 
 
+@pytest.mark.parametrize("index_cache", ["fp32", "fp8"])
 @pytest.mark.parametrize("kv_class", [ResidentKV, HiSparseKV], ids=["resident", "hisparse"])
-def test_decode_layer_loop_syncs_are_known_and_do_not_grow_with_the_batch(device_path, kv_class):
+def test_decode_layer_loop_syncs_are_known_and_do_not_grow_with_the_batch(device_path, kv_class, index_cache):
     p = preset_params("tiny")
     p["index_topk"] = 32     # a selection smaller than the context: real misses and hits
     model = random_model(p, seed=0)
-    one, many = decode_step_syncs(model, kv_class, 1), decode_step_syncs(model, kv_class, 8)
+    one, many = (decode_step_syncs(model, kv_class, n, index_cache) for n in (1, 8))
     assert set(one) == set(many) == KNOWN[kv_class], "a host sync appeared in or left the decode layer loop"
     assert one == many, "host syncs grow with the batch"
 

@@ -42,6 +42,7 @@ BAD = [
     ("resident_window", -3, "must be an integer >= 0, got -3"),
     ("page_tokens", 0, "must be an integer >= 1, got 0"),
     ("page_tokens", None, "must be an integer >= 1, got None"),
+    ("index_cache", "fp16", "must be one of ['fp8', 'fp32'], got 'fp16'"),
 ]
 
 
@@ -54,6 +55,7 @@ def parser() -> argparse.ArgumentParser:
 def test_defaults() -> None:
     s = KVSettings()
     assert tuple(getattr(s, f) for f in FIELDS) == ("hisparse", "fp8_ds_mla", 4.0, None, None, 64)
+    assert s.index_cache == "fp32"
     cfg = preset("tiny")
     assert s.hot_buffer(cfg) == 2 * cfg.index_topk and s.window == DEFAULT_WINDOW == 64
     assert KVSettings(hot_buffer_tokens=0, resident_window=0).hot_buffer(cfg) == 0
@@ -98,8 +100,8 @@ def test_extra_config_requires_the_pool_and_lists_unknown_keys() -> None:
     with pytest.raises(KVSettingsError) as e:
         KVSettings.from_extra_config({"host_pool_gib": 1, "pool": 2, "offload": "none"})
     assert str(e.value) == ("kv_connector_extra_config: unknown key(s) ['offload', 'pool']; HiSparseConnector "
-                            "accepts ['host_pool_gib', 'hot_buffer_tokens', 'kernels', 'kv_layout', 'kv_offload', "
-                            "'page_tokens', 'resident_window']")
+                            "accepts ['host_pool_gib', 'hot_buffer_tokens', 'index_cache', 'kernels', 'kv_layout', "
+                            "'kv_offload', 'page_tokens', 'resident_window']")
     with pytest.raises(KVSettingsError) as e:
         KVSettings.from_extra_config({"host_pool_gib": -1})
     assert str(e.value) == "kv_connector_extra_config: 'host_pool_gib' must be a positive number of GiB, got -1"

@@ -20,6 +20,7 @@ from ..gpu_working_set.hisparse_kv import DEFAULT_SINKS, DEFAULT_WINDOW, HiSpars
 from ..gpu_working_set.kernels import triton_support
 from ..host_pool.layout import LAYOUTS
 from ..model.config import ModelConfig
+from ..model.index_cache import INDEX_CACHES
 from ..model.kv import LatentKV, ResidentKV
 
 OFFLOADS = ("hisparse", "none")
@@ -71,6 +72,8 @@ class KVSettings:
                                            # device store with offload 'none')
     kernels: str = "auto"                  # 'triton': miss path, indexer scoring and sparse MLA as Triton kernels;
                                            # 'torch': torch ops (+ the C++ CPU kernels); 'auto': triton on CUDA
+    index_cache: str = "fp32"              # indexer keys on the device: 'fp8' 132-B records (spec §4, scored
+                                           # dequantised), 'fp32' exact keys in the compute dtype (reference)
 
     def __post_init__(self) -> None:
         """Validate every field; KVSettingsError names the first bad one."""
@@ -90,6 +93,8 @@ class KVSettings:
             raise _invalid("page_tokens", f"must be an integer >= 1, got {self.page_tokens!r}")
         if self.kernels not in KERNELS:
             raise _invalid("kernels", f"must be one of {list(KERNELS)}, got {self.kernels!r}")
+        if self.index_cache not in INDEX_CACHES:
+            raise _invalid("index_cache", f"must be one of {list(INDEX_CACHES)}, got {self.index_cache!r}")
 
     # ---- resolved defaults ----
     def hot_buffer(self, cfg: ModelConfig) -> int:
@@ -119,10 +124,12 @@ class KVSettings:
         """The LatentKV these settings describe, for a model of `cfg` computing in `dtype` on `device`."""
         kernels = self.kernel_path(device)
         if self.offload == "none":
-            return ResidentKV(cfg, self.layout, device, dtype, page_tokens=self.page_tokens, kernels=kernels)
+            return ResidentKV(cfg, self.layout, device, dtype, page_tokens=self.page_tokens, kernels=kernels,
+                              index_cache=self.index_cache)
         return HiSparseKV(cfg, self.layout, device, dtype, host_pool_gib=self.host_pool_gib,
                           hot_buffer_tokens=self.hot_buffer(cfg), resident_window=self.window,
-                          sink_tokens=DEFAULT_SINKS, page_tokens=self.page_tokens, kernels=kernels)
+                          sink_tokens=DEFAULT_SINKS, page_tokens=self.page_tokens, kernels=kernels,
+                          index_cache=self.index_cache)
 
     # ---- sources ----
     @staticmethod
@@ -142,6 +149,9 @@ class KVSettings:
             "kernels": dict(choices=KERNELS, help="miss path, indexer scoring and sparse attention as Triton "
                                                   "kernels or torch ops; auto: triton on CUDA, torch elsewhere "
                                                   "(default: %(default)s)"),
+            "index_cache": dict(choices=INDEX_CACHES, help="indexer keys on the device: fp8 = 132-B records "
+                                                           "(128 x e4m3 + a power-of-two fp32 scale), fp32 = exact "
+                                                           "(default: %(default)s)"),
         }
         for name in default if names is None else names:
             parser.add_argument(_flag(name), default=default[name], **flags[name])

@@ -9,7 +9,8 @@ over requests. Per-request addressing comes from `StepTables`, built once per fo
 implements the same interface over the host pool and must return bit-identical rows. Both store rows in
 the same byte layout (`fp8_ds_mla`, `bf16`) or, with layout None, unquantised in the compute dtype (exact
 reference mode for tests). KV-consumer layers read their source layer's rows. Indexer keys always stay on the
-compute device, in one paged store per indexer layer (`PagedStore`) addressed by the KV store's page table.
+compute device, in one paged store per indexer layer (`IndexKeyStore`: 132-B fp8 records or exact keys)
+addressed by the KV store's page table; every store scores them the same way, so HiSparse on/off select alike.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from ..host_pool.pages import PageTable, paged_rows
 from .config import ModelConfig
 from .geometry import row_layout
+from .index_cache import IndexKeyStore
 from .indexer import Indexer, paged_topk
 
 ATTEND_BLOCK_ELEMS = 1 << 24   # bound on the [rows, k, r + dR] decoded rows sparse MLA holds at once
@@ -116,15 +118,16 @@ class LatentKV(ABC):
     """Where latent rows (c || k_rope, width r + dR) and indexer keys live. Positions are absolute positions."""
 
     def __init__(self, cfg: ModelConfig, layout: str | None, device: torch.device | str, dtype: torch.dtype,
-                 pages: PageTable, kernels: str = "torch"):
+                 pages: PageTable, kernels: str = "torch", index_cache: str = "fp32"):
         self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
         self.layout = row_layout(cfg, layout) if layout else None
         # 'triton': `select` scores with the Triton indexer kernel and `attend` runs the Triton sparse MLA kernel
         # over the stored bytes (`stored_rows`); 'torch': torch ops (KVSettings.kernel_path chooses)
         self.kernels = kernels if self.layout else "torch"
         self.pages, self.page_tokens = pages, pages.page_tokens
-        self.index_keys = PagedStore(cfg.index_owner_layers, cfg.index_head_dim, dtype, self.device,
-                                     pages.page_tokens)
+        # indexer keys: 'fp8' 132-B records (spec §4) or 'fp32' exact keys in the compute dtype (index_cache.py)
+        self.index_keys = IndexKeyStore(cfg.index_owner_layers, cfg.index_head_dim, index_cache, dtype,
+                                        self.device, pages.page_tokens)
         self.tables: StepTables | None = None
         self.stats = KVStats()
         self.reserved: dict[Hashable, int] = {}   # admission reservations, in tokens (page-rounded)
@@ -170,12 +173,16 @@ class LatentKV(ABC):
                positions: torch.Tensor) -> torch.Tensor:
         """Top-k positions [n, k] (ascending, -1 padded) of query rows q [n, HI, dI], w [n, HI] at `positions`
         of segments `seg`, over each row's own request's keys at positions <= its own."""
+        keys, table = self.scoring_keys(layer)
         if self.kernels == "triton":
             from .kernels.indexer_triton import paged_topk_triton
-            return paged_topk_triton(q, indexer.head_weights(w), self.index_keys.data[layer], self.tables.pages,
-                                     self.page_tokens, seg, positions + 1, self.tables.max_end, indexer.topk)
-        return paged_topk(indexer, q, w, self.index_keys.data[layer], self.tables.pages, self.page_tokens, seg,
-                          positions + 1, self.tables.max_end)[0]
+            return paged_topk_triton(q, indexer.head_weights(w), keys, table, self.page_tokens, seg, positions + 1,
+                                     self.tables.max_end, indexer.topk)
+        return paged_topk(indexer, q, w, keys, table, self.page_tokens, seg, positions + 1, self.tables.max_end)[0]
+
+    def scoring_keys(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step's indexer keys of `layer` in the compute dtype and the page table addressing them."""
+        return self.index_keys.scoring_keys(layer, self.tables.pages, self.tables.max_end)
 
     @abstractmethod
     def gather(self, layer: int, seg: torch.Tensor, sel: torch.Tensor) -> RowSource:
@@ -265,9 +272,9 @@ class ResidentKV(LatentKV):
 
     def __init__(self, cfg: ModelConfig, layout: str | None = "fp8_ds_mla", device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, budget_tokens: int | None = None, page_tokens: int = 16,
-                 kernels: str = "torch"):
+                 kernels: str = "torch", index_cache: str = "fp32"):
         super().__init__(cfg, layout, device, dtype, PageTable(0, page_tokens, growable=True, name="device KV"),
-                         kernels)
+                         kernels, index_cache)
         self.rows = PagedStore(cfg.kv_owner_layers, self.stored_width, self.stored_dtype, self.device, page_tokens)
         self.budget_tokens = budget_tokens   # device-memory budget in tokens (None: unbounded)
 

@@ -1,0 +1,101 @@
+"""How indexer keys are stored on the device (spec §4): `fp8` records or `fp32` (exact) keys.
+
+fp8: one record per token per indexer-owning layer, dI x fp8_e4m3 || one fp32 scale (132 B at full size). The
+scale is DeepSeek-V3.2's indexer-key quantizer (vLLM's `indexer_k_quant_and_cache` with ue8m0 scales): a power
+of two, s = 2^ceil(log2(max(amax, AMAX_FLOOR) / 448)), k8 = e4m3(k / s). Because s is a power of two, the
+dequantised key e4m3(k8) * s is exact in fp32, fp64 and bf16, so scoring dequantised keys with the unchanged
+scoring paths (torch, the CPU kernel, Triton) gives the scores of the naive reference "quantise, dequantise,
+score" bit for bit. Queries stay in the compute dtype (the spec's reference omits their fp8 emulation, §8 A11).
+
+fp32: keys in the compute dtype (the exact reference; named after the default float32 compute dtype).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..host_pool.layout import index_row_bytes
+
+INDEX_CACHES = ("fp8", "fp32")
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+AMAX_FLOOR = 1e-4   # DeepSeek-V3.2 / vLLM: amax is clamped here, so an all-zero key gets a finite scale
+
+
+def key_bytes(index_head_dim: int, form: str) -> int:
+    """Device bytes of one token's key in one indexer layer: the fp8 record (132 at full size) or dI x fp32."""
+    return index_row_bytes(index_head_dim) if form == "fp8" else 4 * index_head_dim
+
+
+def key_scale(keys: torch.Tensor) -> torch.Tensor:
+    """Power-of-two scale [n] (fp32) of keys [n, dI]: 2^ceil(log2(max(amax, AMAX_FLOOR) / 448)), exactly."""
+    x = keys.float().abs().amax(-1).clamp_min(AMAX_FLOOR) / FP8_MAX
+    m, e = torch.frexp(x)                      # x = m 2^e, m in [0.5, 1): a power of two iff m == 0.5
+    return torch.ldexp(torch.ones_like(x), e - (m == 0.5).int())
+
+
+def quantise(keys: torch.Tensor) -> torch.Tensor:
+    """keys [n, dI] (any float dtype) -> records [n, dI + 4] uint8 (e4m3 values, then the fp32 scale)."""
+    s = key_scale(keys)
+    k8 = (keys.float() / s[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return torch.cat((k8.view(torch.uint8), s[:, None].view(torch.uint8)), dim=1)
+
+
+def dequantise(records: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """records [..., dI + 4] uint8 -> keys [..., dI] in `dtype` (exact: e4m3 x a power of two)."""
+    dI = records.shape[-1] - 4
+    k8 = records[..., :dI].contiguous().view(FP8).float()
+    s = records[..., dI:].contiguous().view(torch.float32)
+    return (k8 * s).to(dtype)
+
+
+class IndexKeyStore:
+    """One device tensor [rows, width] per indexer-owning layer, laid out in the pages of the KV store's
+    `PageTable` (row = page * P + p % P), shared by every request; grows by doubling between steps.
+
+    `write` stores keys in the chosen form; `scoring_keys` hands the scorers keys in the compute dtype: the
+    store itself (fp32), or (fp8) the records of the step's pages dequantised in one batched gather, with a page
+    table renumbered to that compact copy (no host synchronisation)."""
+
+    def __init__(self, layers: Sequence[int], head_dim: int, form: str, dtype: torch.dtype,
+                 device: torch.device, page_tokens: int):
+        if form not in INDEX_CACHES:
+            raise ValueError(f"index_cache: must be one of {list(INDEX_CACHES)}, got {form!r}")
+        self.form, self.compute_dtype, self.device, self.page_tokens = form, dtype, device, page_tokens
+        self.width = index_row_bytes(head_dim) if form == "fp8" else head_dim
+        self.dtype = torch.uint8 if form == "fp8" else dtype
+        self.data = {l: torch.zeros(0, self.width, dtype=self.dtype, device=device) for l in layers}
+
+    def fit(self, n_pages: int) -> None:
+        """Hold page ids < n_pages (keeps every stored row)."""
+        need = n_pages * self.page_tokens
+        for layer, t in self.data.items():
+            if t.shape[0] < need:
+                new = torch.zeros(max(need, 2 * t.shape[0]), self.width, dtype=self.dtype, device=self.device)
+                new[: t.shape[0]] = t
+                self.data[layer] = new
+
+    def write(self, layer: int, rows: torch.Tensor, keys: torch.Tensor) -> None:
+        """Store keys [n, dI] at store rows [n]."""
+        self.data[layer].index_copy_(0, rows, quantise(keys) if self.form == "fp8" else keys.to(self.dtype))
+
+    def scoring_keys(self, layer: int, table: torch.Tensor, max_visible: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys [rows, dI] in the compute dtype, page table [S, pages]) that address segment s's key j as
+        keys[table[s, j // P] * P + j % P] for j < max_visible, given the store's page table [S, max_pages]."""
+        if self.form == "fp32":
+            return self.data[layer], table
+        P = self.page_tokens
+        n_pages = min(table.shape[1], -(-max_visible // P))
+        rows = table[:, :n_pages, None] * P + torch.arange(P, device=table.device)      # [S, pages, P]
+        keys = dequantise(self.data[layer][rows.flatten()], self.compute_dtype)         # [S * pages * P, dI]
+        compact = torch.arange(table.shape[0] * n_pages, device=table.device).view(table.shape[0], n_pages)
+        return keys, compact
+
+    def bytes_per_page(self) -> int:
+        return self.page_tokens * self.width * self.dtype.itemsize * len(self.data)
+
+    def bytes_per_token_layer(self) -> int:
+        """Device bytes one token's key takes in one indexer layer (132 for fp8 at full size)."""
+        return self.width * self.dtype.itemsize
