@@ -21,3 +21,22 @@ def test_throughput_benchmark_runs_and_reports_its_ratios(tmp_path: Path) -> Non
     assert result["capacity_ratio"] == lim["hisparse"] / lim["none"]
     for key in ("ratio", "step_ratio", "ratio_vs_unlimited", "ceiling_ratio"):
         assert result[key] > 0
+
+
+def test_node_table_reproduces_the_spec_arithmetic(tmp_path: Path) -> None:
+    """The full preset built on the meta device: the spec's per-token bytes (§4) and parameter count (§1.4)."""
+    out = tmp_path / "node_table.json"
+    run = subprocess.run([sys.executable, "-m", "benchmarks.node_table", "--out", str(out)], cwd=ROOT, check=True,
+                         capture_output=True, text=True, timeout=300)
+    assert "| per rank | TP1 | TP8 | seed 000 |" in run.stdout
+    r = json.loads(out.read_text())
+    kv, w = r["TP1"]["kv"], r["TP1"]["weights"]
+    assert kv["fp8"]["index_bytes_per_token_layer"] == 132 and kv["fp32"]["index_bytes_per_token_layer"] == 512
+    assert kv["fp8"]["without_hisparse"] == 47_136 and kv["fp8"]["with_hisparse"] == 5_808
+    assert kv["fp32"]["without_hisparse"] == 41_328 + 44 * 512 and kv["fp32"]["with_hisparse"] == 44 * 512
+    assert abs(w["total"]["params"] / 1.051e12 - 1) < 0.002                 # spec §1.4: 1.051 T
+    assert abs(w["routed_experts"]["params"] / 1029.18e9 - 1) < 1e-4
+    assert w["total"]["params"] < w["total"]["fp8_bytes"] < 1.01 * w["total"]["params"] < w["total"]["bf16_bytes"]
+    ctx = r["TP1"]["context_after_fp8_weights"]["fp8"]["without_hisparse"]
+    assert ctx["tokens"] == 0 and ctx["free_bytes"] == r["device_bytes"] - w["total"]["fp8_bytes"] < 0
+    assert r["TP8"] == "needs tensor parallelism"
