@@ -25,9 +25,10 @@ SOURCES = {"miss_path": miss_path_triton.aot_source,
            "backup": backup_triton.aot_source,
            "sparse_mla_fp8_ds_mla": lambda: sparse_mla_triton.aot_source("fp8_ds_mla"),
            "sparse_mla_bf16": lambda: sparse_mla_triton.aot_source("bf16"),
-           "index_scores": indexer_triton.aot_source}
+           "index_scores": indexer_triton.aot_source,
+           "index_scores_fp8": lambda: indexer_triton.aot_source(fp8=True)}
 # compile options a kernel is launched with (the indexer's rounding contract forbids fused multiply-adds)
-OPTIONS = {"index_scores": {"enable_fp_fusion": False}}
+OPTIONS = {"index_scores": {"enable_fp_fusion": False}, "index_scores_fp8": {"enable_fp_fusion": False}}
 
 
 def compile_all(arch: int = 90, warp_size: int = 32) -> dict[str, dict]:

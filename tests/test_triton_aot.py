@@ -28,3 +28,4 @@ def test_every_kernel_compiles_for_sm90(tmp_path) -> None:
     for name, r in result.items():
         assert {"ttgir", "ptx", "cubin"} <= set(r["stages"]) and r["cubin_bytes"] > 0, name
     assert result["index_scores"]["ptx_fma"] == 0     # the indexer's scores round every product and sum
+    assert result["index_scores_fp8"]["ptx_fma"] == 0

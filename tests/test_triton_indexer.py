@@ -59,3 +59,29 @@ def test_scores_bit_identical_and_same_selection(dtype: torch.dtype, ties: bool,
         cols, _ = paged_topk(Topk(k), q, wr, keys, table, P, seg, n_visible, L)
         assert torch.equal(paged_topk_triton(d(q), d(wr), d(keys), d(table), P, d(seg), d(n_visible), L, k).cpu(),
                            cols)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fp8_records_score_as_their_dequantised_keys(dtype: torch.dtype, seed: int) -> None:
+    """Keys stored as the fp8 index cache's 132-B-style records, decoded in the kernel: the score bits of the
+    dequantised keys (torch path), and paged_topk's selections; differs from the exact keys' scores."""
+    from hisparse.model.index_cache import dequantise, quantise
+    from hisparse.model.kernels.indexer_triton import paged_scores, paged_topk_triton
+    g = torch.Generator().manual_seed(seed)
+    q, wr, keys, table, P, seg, n_visible, L = paged_case(g, dtype, ties=True)
+    keys = keys * torch.logspace(-3, 2, keys.shape[0], dtype=dtype)[:, None]     # scales across many powers of two
+    rec = quantise(keys)
+    deq = dequantise(rec, dtype)
+    j = torch.arange(L)
+    ref = index_scores(q, wr, deq[table[seg][:, j // P] * P + j % P], n_visible - 1)
+    d = lambda t: t.to(DEV)    # noqa: E731
+    got = paged_scores(d(q), d(wr), d(rec), d(table), P, d(seg), d(n_visible), L, block_s=8).cpu()
+    assert torch.equal(got, ref)
+    assert not torch.equal(got, paged_scores(d(q), d(wr), d(keys), d(table), P, d(seg), d(n_visible), L,
+                                             block_s=8).cpu())
+    for k in (4, 30):
+        cols, _ = paged_topk(Topk(k), q, wr, deq, table, P, seg, n_visible, L)
+        assert torch.equal(paged_topk_triton(d(q), d(wr), d(rec), d(table), P, d(seg), d(n_visible), L, k).cpu(),
+                           cols)
+    with pytest.raises(ValueError, match="fp8 key records"):
+        paged_scores(d(q), d(wr), d(rec[:, :-1]), d(table), P, d(seg), d(n_visible), L)

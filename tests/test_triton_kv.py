@@ -27,12 +27,13 @@ def model(seed: int):
 
 
 @needs_kernels
-@pytest.mark.parametrize("layout", ["fp8_ds_mla", "bf16"])
-def test_hisparse_triton_equals_torch(model, layout: str, seed: int) -> None:
-    """A prompt several times the hot buffer, chunked prefill (transient misses) then greedy decode."""
+@pytest.mark.parametrize(("layout", "index_cache"), [("fp8_ds_mla", "fp32"), ("bf16", "fp32"), ("fp8_ds_mla", "fp8")])
+def test_hisparse_triton_equals_torch(model, layout: str, index_cache: str, seed: int) -> None:
+    """A prompt several times the hot buffer, chunked prefill (transient misses) then greedy decode (fp8 index
+    cache: the Triton scorer decodes the records, the torch path dequantises them; same selections)."""
     prompt = torch.randint(0, model.cfg.vocab_size, (90,), generator=torch.Generator().manual_seed(seed)).tolist()
     kvs = {k: HiSparseKV(model.cfg, layout, DEV, host_pool_gib=0.002, hot_buffer_tokens=10, resident_window=6,
-                         page_tokens=16, kernels=k) for k in ("torch", "triton")}
+                         page_tokens=16, kernels=k, index_cache=index_cache) for k in ("torch", "triton")}
     runs = {k: greedy_generate(model, kv, prompt, 8, chunk=40, keep_logits=True) for k, kv in kvs.items()}
     assert runs["triton"].tokens == runs["torch"].tokens
     for a, b in zip(runs["triton"].logits, runs["torch"].logits):

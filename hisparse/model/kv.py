@@ -173,11 +173,11 @@ class LatentKV(ABC):
                positions: torch.Tensor) -> torch.Tensor:
         """Top-k positions [n, k] (ascending, -1 padded) of query rows q [n, HI, dI], w [n, HI] at `positions`
         of segments `seg`, over each row's own request's keys at positions <= its own."""
-        keys, table = self.scoring_keys(layer)
-        if self.kernels == "triton":
+        if self.kernels == "triton":   # reads the stored keys (fp8 records decoded in the kernel)
             from .kernels.indexer_triton import paged_topk_triton
-            return paged_topk_triton(q, indexer.head_weights(w), keys, table, self.page_tokens, seg, positions + 1,
-                                     self.tables.max_end, indexer.topk)
+            return paged_topk_triton(q, indexer.head_weights(w), self.index_keys.data[layer], self.tables.pages,
+                                     self.page_tokens, seg, positions + 1, self.tables.max_end, indexer.topk)
+        keys, table = self.scoring_keys(layer)
         return paged_topk(indexer, q, w, keys, table, self.page_tokens, seg, positions + 1, self.tables.max_end)[0]
 
     def scoring_keys(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

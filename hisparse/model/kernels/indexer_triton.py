@@ -4,7 +4,9 @@ left to right, no fused multiply-add), so the exact top-k that follows (`indexer
 position asc) selects what the torch path and the CPU kernel select, ties included.
 
 One program per (query row, block of key positions); keys are read through the page table, no [S, L, dI]
-gather. Scores are in the queries' dtype; keys past a row's visible count score -inf.
+gather. Scores are in the queries' dtype; keys past a row's visible count score -inf. Keys are plain [rows, dI]
+in the queries' dtype, or the fp8 index cache's records [rows, dI + 4] uint8 (`model.index_cache`), decoded in
+the kernel: e4m3 times the record's power-of-two scale, exact, so the scores are those of the dequantised keys.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import triton.language as tl
 
 from ...gpu_working_set.kernels.triton_support import require
 from ..indexer import select_topk
+from .sparse_mla_triton import _e4m3_to_f32
 
 _NEG_INF = tl.constexpr(float("-inf"))
 
@@ -22,23 +25,34 @@ _NEG_INF = tl.constexpr(float("-inf"))
 @triton.jit
 def _index_scores_kernel(
         q_ptr, q_s0, q_s1, wr_ptr, wr_s0,               # q [n, HI, dI] (last dim contiguous), wr [n, HI]
-        keys_ptr, keys_s0,                              # paged keys [rows, dI]
+        keys_ptr, keys_s0,                              # paged keys [rows, dI] (FP8: records [rows, dI + 4] u8)
+        scale_ptr,                                      # FP8: the records as fp32 [rows, (dI + 4) / 4]
         table_ptr, table_s0, page_tokens,               # [S, pages] page ids
         seg_ptr, n_visible_ptr,                         # [n] each row's segment and visible key count
         out_ptr, out_s0, L,                             # scores [n, L]
-        HI: tl.constexpr, DI: tl.constexpr, BLOCK_S: tl.constexpr):
+        HI: tl.constexpr, DI: tl.constexpr, BLOCK_S: tl.constexpr, FP8: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
     seg = tl.load(seg_ptr + t)
     visible = s < tl.load(n_visible_ptr + t)
     page = tl.load(table_ptr + seg * table_s0 + s // page_tokens, mask=visible, other=0)
-    key = keys_ptr + (page * page_tokens + s % page_tokens).to(tl.int64) * keys_s0
-    score = tl.zeros([BLOCK_S], q_ptr.dtype.element_ty)
+    row = (page * page_tokens + s % page_tokens).to(tl.int64)
+    key = keys_ptr + row * keys_s0
+    kdt = q_ptr.dtype.element_ty
+    if FP8:
+        scale = tl.load(scale_ptr + row * (keys_s0 // 4) + DI // 4, mask=visible, other=0.0)
+    score = tl.zeros([BLOCK_S], kdt)
     for h in range(HI):
         qh = q_ptr + t * q_s0 + h * q_s1
-        dot = tl.load(qh) * tl.load(key, mask=visible, other=0.0)
-        for d in range(1, DI):
-            dot = dot + tl.load(qh + d) * tl.load(key + d, mask=visible, other=0.0)
+        if FP8:   # e4m3 x a power of two: exact, the dequantised key's value in any float dtype
+            dot = tl.load(qh) * (_e4m3_to_f32(tl.load(key, mask=visible, other=0).to(tl.int32)) * scale).to(kdt)
+            for d in range(1, DI):
+                k = (_e4m3_to_f32(tl.load(key + d, mask=visible, other=0).to(tl.int32)) * scale).to(kdt)
+                dot = dot + tl.load(qh + d) * k
+        else:
+            dot = tl.load(qh) * tl.load(key, mask=visible, other=0.0)
+            for d in range(1, DI):
+                dot = dot + tl.load(qh + d) * tl.load(key + d, mask=visible, other=0.0)
         term = tl.load(wr_ptr + t * wr_s0 + h) * tl.maximum(dot, 0.0)
         score = tl.where(h == 0, term, score + term)      # the first head's term as is, as index_scores
     tl.store(out_ptr + t * out_s0 + s, tl.where(visible, score, _NEG_INF), mask=s < L)
@@ -47,19 +61,26 @@ def _index_scores_kernel(
 def paged_scores(q: torch.Tensor, wr: torch.Tensor, keys: torch.Tensor, table: torch.Tensor, page_tokens: int,
                  seg: torch.Tensor, n_visible: torch.Tensor, max_visible: int, block_s: int = 128) -> torch.Tensor:
     """Scores [n, max_visible] of query rows q [n, HI, dI] with head weights wr [n, HI] (already scaled,
-    `Indexer.head_weights`) over keys [rows, dI] (key j of segment s at row table[s, j // P] * P + j % P); row t
-    sees keys 0 .. n_visible[t] - 1, the rest score -inf. Same bits as `indexer.index_scores`."""
+    `Indexer.head_weights`) over keys [rows, dI] (key j of segment s at row table[s, j // P] * P + j % P), or fp8
+    key records [rows, dI + 4] uint8 (scored as their dequantised keys); row t sees keys 0 .. n_visible[t] - 1,
+    the rest score -inf. Same bits as `indexer.index_scores` (of the dequantised keys)."""
     require(q)
     n, HI, dI = q.shape
+    fp8 = keys.dtype == torch.uint8
+    if fp8 and (keys.shape[1] != dI + 4 or dI % 4):
+        raise ValueError(f"paged_scores: fp8 key records must be [rows, {dI + 4}] with dI % 4 == 0, not "
+                         f"{list(keys.shape)}")
     q = q if q.stride(2) == 1 else q.contiguous()
+    keys = keys.contiguous() if fp8 else keys.to(q.dtype)
     keys = keys if keys.stride(1) == 1 else keys.contiguous()
     table = table if table.stride(1) == 1 else table.contiguous()
     out = torch.empty(n, max_visible, dtype=q.dtype, device=q.device)
     if n and max_visible:
+        scales = keys.view(torch.float32) if fp8 else keys
         _index_scores_kernel[(n, triton.cdiv(max_visible, block_s))](
-            q, q.stride(0), q.stride(1), wr.to(q.dtype).contiguous(), HI, keys.to(q.dtype), keys.stride(0),
+            q, q.stride(0), q.stride(1), wr.to(q.dtype).contiguous(), HI, keys, keys.stride(0), scales,
             table, table.stride(0), page_tokens, seg.contiguous(), n_visible.contiguous(), out, out.stride(0),
-            max_visible, HI=HI, DI=dI, BLOCK_S=block_s, enable_fp_fusion=False)
+            max_visible, HI=HI, DI=dI, BLOCK_S=block_s, FP8=fp8, enable_fp_fusion=False)
     return out
 
 
@@ -71,11 +92,14 @@ def paged_topk_triton(q: torch.Tensor, wr: torch.Tensor, keys: torch.Tensor, tab
     return torch.nn.functional.pad(cols, (0, k - cols.shape[1]), value=-1)
 
 
-def aot_source(heads: int = 64, head_dim: int = 128, block_s: int = 128) -> triton.compiler.ASTSource:
-    """The scoring kernel for fp32 queries at full size (ML4's 64 indexer heads of 128), for AOT compilation."""
-    sig = {"q_ptr": "*fp32", "q_s0": "i64", "q_s1": "i64", "wr_ptr": "*fp32", "wr_s0": "i64", "keys_ptr": "*fp32",
-           "keys_s0": "i64", "table_ptr": "*i64", "table_s0": "i64", "page_tokens": "i32", "seg_ptr": "*i64",
-           "n_visible_ptr": "*i64", "out_ptr": "*fp32", "out_s0": "i64", "L": "i32"}
-    const = {"HI": heads, "DI": head_dim, "BLOCK_S": block_s}
+def aot_source(heads: int = 64, head_dim: int = 128, block_s: int = 128, fp8: bool = False
+               ) -> triton.compiler.ASTSource:
+    """The scoring kernel for fp32 queries at full size (ML4's 64 indexer heads of 128) over fp32 keys or (fp8)
+    132-B key records, for AOT compilation."""
+    sig = {"q_ptr": "*fp32", "q_s0": "i64", "q_s1": "i64", "wr_ptr": "*fp32", "wr_s0": "i64",
+           "keys_ptr": "*u8" if fp8 else "*fp32", "keys_s0": "i64", "scale_ptr": "*fp32", "table_ptr": "*i64",
+           "table_s0": "i64", "page_tokens": "i32", "seg_ptr": "*i64", "n_visible_ptr": "*i64", "out_ptr": "*fp32",
+           "out_s0": "i64", "L": "i32"}
+    const = {"HI": heads, "DI": head_dim, "BLOCK_S": block_s, "FP8": fp8}
     return triton.compiler.ASTSource(fn=_index_scores_kernel, signature=sig | dict.fromkeys(const, "constexpr"),
                                      constexprs=const)
