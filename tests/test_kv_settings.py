@@ -22,7 +22,7 @@ from hisparse.model.kv import ResidentKV
 FIELDS = ("offload", "layout", "host_pool_gib", "hot_buffer_tokens", "resident_window", "page_tokens")
 FLAGS = {"offload": "--kv-offload", "layout": "--kv-layout", "host_pool_gib": "--host-pool-gib",
          "hot_buffer_tokens": "--hot-buffer-tokens", "resident_window": "--resident-window",
-         "page_tokens": "--page-tokens"}
+         "page_tokens": "--page-tokens", "index_cache": "--index-cache"}
 KEYS = {"offload": "kv_offload", "layout": "kv_layout"}
 
 # (field, bad value, what the message says about it)
@@ -112,6 +112,7 @@ def test_extra_config_requires_the_pool_and_lists_unknown_keys() -> None:
     {"offload": "none", "layout": "bf16", "host_pool_gib": 2, "hot_buffer_tokens": 16, "resident_window": 0,
      "page_tokens": 8},
     {"host_pool_gib": 0.5, "hot_buffer_tokens": 0, "resident_window": 128, "page_tokens": 256},
+    {"host_pool_gib": 1.0, "index_cache": "fp8"},
 ])
 def test_flags_and_extra_config_agree(values: dict) -> None:
     argv = [a for f, v in values.items() for a in (FLAGS[f], str(v))]
