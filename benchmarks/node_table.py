@@ -130,8 +130,9 @@ def table(r: dict) -> str:
             return f"0: the weights exceed the device by {-c['free_bytes'] / GB:,.0f} GB"
         return f"{c['tokens']:,} tokens"
     rows = [
-        ("parameters", f"{w['total']['params'] / 1e9:,.1f} B (routed experts {w['routed_experts']['params'] / 1e9:,.1f} B, "
-                       f"drafter {w['drafter']['params'] / 1e9:,.2f} B)", TP8, "about 1T"),
+        ("parameters", f"{w['total']['params'] / 1e9:,.1f} B (routed experts "
+                       f"{w['routed_experts']['params'] / 1e9:,.1f} B, drafter {w['drafter']['params'] / 1e9:,.2f} B)",
+         TP8, "about 1T"),
         ("weights, FP8 as stored", gb(w["total"]["fp8_bytes"]), TP8, SEED_000["fp8_checkpoint_bytes"] + "; "
          + SEED_000["fp8_weights_per_gpu_tp8"] + " per GPU at TP8"),
         ("weights, bf16", gb(w["total"]["bf16_bytes"]), TP8, ""),

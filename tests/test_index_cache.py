@@ -114,3 +114,29 @@ def test_selections_from_fp8_records_equal_the_naive_reference(context):
         got = sels["fp8"][t]
         assert got[got >= 0].tolist() == want, f"row {t}"
     assert not torch.equal(sels["fp8"], sels["fp32"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cpu_kernel_reads_records_as_their_dequantised_keys(dtype):
+    """The fused CPU kernel over fp8 records (decoded as it gathers them) returns the columns and score bits it
+    returns over the dequantised keys: full-size dI = 128, several requests' pages interleaved in one store."""
+    if not indexer_topk.available():
+        pytest.skip("the CPU indexer kernel does not build here")
+    g = torch.Generator().manual_seed(3)
+    HI, dI, P, n_seg, pages = 4, 128, 16, 3, 5
+    n = n_seg * pages * P
+    keys = torch.randn(n, dI, generator=g, dtype=dtype) * 10.0 ** torch.randint(-3, 3, (n, 1), generator=g)
+    rec = quantise(keys)
+    table = torch.randperm(n_seg * pages, generator=g).view(n_seg, pages)
+    q = torch.randn(12, HI, dI, generator=g, dtype=dtype)
+    wr = torch.rand(12, HI, generator=g, dtype=dtype) - 0.3
+    row_seg = torch.arange(n_seg).repeat_interleave(4)
+    n_visible = torch.randint(1, pages * P + 1, (12,), generator=g)
+    assert indexer_topk.supports(q, wr, rec)
+    for k in (8, 100):
+        got = indexer_topk.fused_topk_paged(q, wr, rec, table, P, row_seg, n_visible, k, with_scores=True)
+        want = indexer_topk.fused_topk_paged(q, wr, dequantise(rec, dtype), table, P, row_seg, n_visible, k,
+                                             with_scores=True)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(ValueError, match="fp8 records"):
+        indexer_topk.fused_topk_paged(q, wr, rec[:, :-4], table, P, row_seg, n_visible, 8)

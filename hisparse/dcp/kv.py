@@ -56,9 +56,8 @@ class ShardedKV(LatentKV):
         """Sel(t) [n, k]: this rank's exact local top-k over its own keys (key j is visible to t iff
         j < count_owned(p_t + 1); the scores are the single-rank ones bit for bit), merged across ranks."""
         sh, t = self.sharding, self.inner.tables
-        keys, table = self.inner.scoring_keys(layer)    # this rank's keys (fp8 records or exact), dequantised
-        cols, scores = paged_topk(indexer, q, w, keys, table, self.page_tokens, seg, sh.count_owned(positions + 1),
-                                  t.max_end, with_scores=True)
+        cols, scores = paged_topk(indexer, q, w, self.index_keys.data[layer], t.pages, self.page_tokens, seg,
+                                  sh.count_owned(positions + 1), t.max_end, with_scores=True)
         where = sh.global_of(cols.clamp(min=0)).masked_fill(cols < 0, -1)
         return self.dcp.merge_topk(scores, where, indexer.topk, layer)
 

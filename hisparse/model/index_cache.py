@@ -3,9 +3,10 @@
 fp8: one record per token per indexer-owning layer, dI x fp8_e4m3 || one fp32 scale (132 B at full size). The
 scale is DeepSeek-V3.2's indexer-key quantizer (vLLM's `indexer_k_quant_and_cache` with ue8m0 scales): a power
 of two, s = 2^ceil(log2(max(amax, AMAX_FLOOR) / 448)), k8 = e4m3(k / s). Because s is a power of two, the
-dequantised key e4m3(k8) * s is exact in fp32, fp64 and bf16, so scoring dequantised keys with the unchanged
-scoring paths (torch, the CPU kernel, Triton) gives the scores of the naive reference "quantise, dequantise,
-score" bit for bit. Queries stay in the compute dtype (the spec's reference omits their fp8 emulation, §8 A11).
+dequantised key e4m3(k8) * s is exact in fp32, fp64 and bf16; every scorer decodes the records to those values
+(the CPU kernel and the Triton kernel as they gather them, the torch path after its gather) and scores them as
+plain keys, so its scores are those of the naive reference "quantise, dequantise, score" bit for bit. Queries
+stay in the compute dtype (the spec's reference omits their fp8 emulation, §8 A11).
 
 fp32: keys in the compute dtype (the exact reference; named after the default float32 compute dtype).
 """
@@ -55,15 +56,14 @@ class IndexKeyStore:
     """One device tensor [rows, width] per indexer-owning layer, laid out in the pages of the KV store's
     `PageTable` (row = page * P + p % P), shared by every request; grows by doubling between steps.
 
-    `write` stores keys in the chosen form; `scoring_keys` hands the scorers keys in the compute dtype: the
-    store itself (fp32), or (fp8) the records of the step's pages dequantised in one batched gather, with a page
-    table renumbered to that compact copy (no host synchronisation)."""
+    `write` stores keys in the chosen form; the scorers (`indexer.paged_topk`: the CPU kernel and the torch path,
+    and the Triton kernel) read the store as it is and decode fp8 records themselves."""
 
     def __init__(self, layers: Sequence[int], head_dim: int, form: str, dtype: torch.dtype,
                  device: torch.device, page_tokens: int):
         if form not in INDEX_CACHES:
             raise ValueError(f"index_cache: must be one of {list(INDEX_CACHES)}, got {form!r}")
-        self.form, self.compute_dtype, self.device, self.page_tokens = form, dtype, device, page_tokens
+        self.form, self.device, self.page_tokens = form, device, page_tokens
         self.width = index_row_bytes(head_dim) if form == "fp8" else head_dim
         self.dtype = torch.uint8 if form == "fp8" else dtype
         self.data = {l: torch.zeros(0, self.width, dtype=self.dtype, device=device) for l in layers}
@@ -80,18 +80,6 @@ class IndexKeyStore:
     def write(self, layer: int, rows: torch.Tensor, keys: torch.Tensor) -> None:
         """Store keys [n, dI] at store rows [n]."""
         self.data[layer].index_copy_(0, rows, quantise(keys) if self.form == "fp8" else keys.to(self.dtype))
-
-    def scoring_keys(self, layer: int, table: torch.Tensor, max_visible: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(keys [rows, dI] in the compute dtype, page table [S, pages]) that address segment s's key j as
-        keys[table[s, j // P] * P + j % P] for j < max_visible, given the store's page table [S, max_pages]."""
-        if self.form == "fp32":
-            return self.data[layer], table
-        P = self.page_tokens
-        n_pages = min(table.shape[1], -(-max_visible // P))
-        rows = table[:, :n_pages, None] * P + torch.arange(P, device=table.device)      # [S, pages, P]
-        keys = dequantise(self.data[layer][rows.flatten()], self.compute_dtype)         # [S * pages * P, dI]
-        compact = torch.arange(table.shape[0] * n_pages, device=table.device).view(table.shape[0], n_pages)
-        return keys, compact
 
     def bytes_per_page(self) -> int:
         return self.page_tokens * self.width * self.dtype.itemsize * len(self.data)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from .config import ModelConfig, LayerSpec
+from .index_cache import dequantise
 from .kernels import indexer_topk
 from .linear import Linear
 from .norm import LayerNorm
@@ -70,11 +71,13 @@ def paged_topk(indexer: "Indexer", q: torch.Tensor, w: torch.Tensor, keys: torch
                with_scores: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Exact top-k of a batch of query rows, each over its own request's keys in a paged store.
 
-    q [n, HI, dI], w [n, HI], keys [rows, dI] (row = table[s, j // P] * P + j % P for key j of segment s),
+    q [n, HI, dI], w [n, HI], keys [rows, dI] (row = table[s, j // P] * P + j % P for key j of segment s) or the
+    fp8 index cache's records [rows, dI + 4] uint8 (scored as their dequantised keys, `index_cache.dequantise`),
     seg [n], n_visible [n] (row t sees keys 0 .. n_visible[t] - 1), max_visible >= every n_visible (host int).
     Returns cols [n, k] (key indices ascending, -1 padded) and with_scores their scores [n, k] (-inf padded).
-    CPU inputs go to the fused kernel in one call; elsewhere the torch path scores blocks of rows against their
-    segment's keys gathered into [S, L, dI]. Both give the selections of select_topk(index_scores(...)).
+    CPU inputs go to the fused kernel in one call (it decodes records as it gathers them); elsewhere the torch
+    path scores blocks of rows against their segment's keys gathered (and dequantised) into [S, L, dI]. Both give
+    the selections of select_topk(index_scores(...)).
     """
     n, k = q.shape[0], indexer.topk
     wr = indexer.head_weights(w)
@@ -89,7 +92,9 @@ def paged_topk(indexer: "Indexer", q: torch.Tensor, w: torch.Tensor, keys: torch
                                                      with_scores)
     else:
         j = torch.arange(L, device=keys.device)
-        per_seg = keys[table[:, j // page_tokens] * page_tokens + j % page_tokens]      # [S, L, dI]
+        per_seg = keys[table[:, j // page_tokens] * page_tokens + j % page_tokens]      # [S, L, dI (+ 4)]
+        if indexer_topk.is_records(q, keys):
+            per_seg = dequantise(per_seg, q.dtype)
         rows = max(1, SCORE_BLOCK_ELEMS // max(1, indexer.n_heads * L))
         cols, scores = [], []
         for i in range(0, n, rows):   # blocks of query rows bound the score memory

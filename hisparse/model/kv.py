@@ -173,16 +173,13 @@ class LatentKV(ABC):
                positions: torch.Tensor) -> torch.Tensor:
         """Top-k positions [n, k] (ascending, -1 padded) of query rows q [n, HI, dI], w [n, HI] at `positions`
         of segments `seg`, over each row's own request's keys at positions <= its own."""
-        if self.kernels == "triton":   # reads the stored keys (fp8 records decoded in the kernel)
+        keys = self.index_keys.data[layer]   # the stored keys: every scorer decodes fp8 records itself
+        if self.kernels == "triton":
             from .kernels.indexer_triton import paged_topk_triton
-            return paged_topk_triton(q, indexer.head_weights(w), self.index_keys.data[layer], self.tables.pages,
-                                     self.page_tokens, seg, positions + 1, self.tables.max_end, indexer.topk)
-        keys, table = self.scoring_keys(layer)
-        return paged_topk(indexer, q, w, keys, table, self.page_tokens, seg, positions + 1, self.tables.max_end)[0]
-
-    def scoring_keys(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This step's indexer keys of `layer` in the compute dtype and the page table addressing them."""
-        return self.index_keys.scoring_keys(layer, self.tables.pages, self.tables.max_end)
+            return paged_topk_triton(q, indexer.head_weights(w), keys, self.tables.pages, self.page_tokens, seg,
+                                     positions + 1, self.tables.max_end, indexer.topk)
+        return paged_topk(indexer, q, w, keys, self.tables.pages, self.page_tokens, seg, positions + 1,
+                          self.tables.max_end)[0]
 
     @abstractmethod
     def gather(self, layer: int, seg: torch.Tensor, sel: torch.Tensor) -> RowSource:

@@ -18,10 +18,15 @@
 // at row table[seg][j / page_tokens] * page_tokens + j % page_tokens. Only the key addressing depends on it: a
 // block of keys is gathered through the page table while it is transposed, and scores and positions are those
 // of the logical keys. One contiguous keys array is the single segment with one page of all its keys.
+//
+// Keys may instead be the fp8 index cache's records (hisparse/model/index_cache.py): dI x e4m3 bytes then one
+// fp32 power-of-two scale per key. A block of them is decoded (e4m3 x scale, exact in float and double) into a
+// per-thread buffer as it is gathered, then scored exactly as plain keys of those values.
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <new>
 #include <vector>
@@ -36,6 +41,20 @@
 namespace {
 
 constexpr int64_t TILE_ROWS = 256;   // query rows that scan one cached block of keys in turn
+
+// The value of every fp8 e4m3fn byte (bias 7, no infinities, S.1111.111 is NaN), as torch decodes it.
+struct E4M3 {
+    float v[256];
+    E4M3() {
+        for (int b = 0; b < 256; ++b) {
+            const int e = (b >> 3) & 0xF, m = b & 7;
+            float x = e == 0 ? std::ldexp(float(m), -9) : std::ldexp(1.0f + m / 8.0f, e - 7);
+            if ((b & 0x7F) == 0x7F) x = std::numeric_limits<float>::quiet_NaN();
+            v[b] = (b & 0x80) ? -x : x;
+        }
+    }
+};
+const E4M3 E4M3_VALUES;
 
 // SIMD width in bytes: a zmm register where the CPU has AVX-512 (twice the keys per instruction), else a ymm one.
 // Lanes never mix, so the width changes speed only, never a score.
@@ -103,6 +122,7 @@ struct Indexer {
     };
 
     int64_t HI, dI, k;
+    const uint8_t* records = nullptr;   // fp8 key records [rows, dI + 4] in place of plain keys (nullptr: keys)
 
     static bool worse(T a, int64_t pa, T b, int64_t pb) { return a < b || (a == b && pa > pb); }
 
@@ -314,6 +334,22 @@ struct Indexer {
         }
     }
 
+    // fp8 records of logical keys b0 .. b0 + nb - 1 -> their values in dec [nb, dI]; kp[j] = key j's row there.
+    void decode_records(const int64_t* pages, int64_t page_tokens, int64_t b0, int64_t nb, T* dec,
+                        const T** kp) const {
+        const int64_t stride = dI + 4;
+        int64_t p = b0 / page_tokens, o = b0 % page_tokens;
+        for (int64_t j = 0; j < nb; ++j) {
+            const uint8_t* r = records + (pages[p] * page_tokens + o) * stride;
+            float scale;
+            std::memcpy(&scale, r + dI, sizeof scale);
+            T* out = dec + j * dI;
+            for (int64_t d = 0; d < dI; ++d) out[d] = T(E4M3_VALUES.v[r[d]] * scale);
+            kp[j] = out;
+            if (++o == page_tokens) o = 0, ++p;
+        }
+    }
+
     // Keys kp[0 .. nb) -> kt: groups of G keys, each transposed to [dI, G], zero-padded to whole groups.
     void transpose(const T* const* kp, int64_t nb, T* kt) const {
         const int64_t padded = (nb + G - 1) / G * G;
@@ -377,7 +413,8 @@ struct Indexer {
         const int64_t kb = std::max<int64_t>(G, ((int64_t(1) << 15) / (dI * sizeof(T))) / G * G);   // ~L1
         std::vector<T> kt_buf(kb * dI + 64 / sizeof(T));   // 64-byte aligned: split loads halve the throughput
         T* kt = (T*)(((uintptr_t)kt_buf.data() + 63) & ~uintptr_t(63));
-        std::vector<const T*> kp(kb);   // the block's keys in the arena
+        std::vector<const T*> kp(kb);   // the block's keys in the arena (or, for records, in dec)
+        std::vector<T> dec(records ? kb * dI : 0);
         std::vector<T> score(TILE_ROWS * k);
         std::vector<int64_t> pos(TILE_ROWS * k), heads(TILE_ROWS * HI), all_heads(HI);
         for (int64_t h = 0; h < HI; ++h) all_heads[h] = h;
@@ -404,7 +441,10 @@ struct Indexer {
                     needed = !tile[i].done && tile[i].n > b0;
                 if (!needed) break;
                 const int64_t nb = std::min(kb, n_max - b0);
-                key_ptrs(keys, pages, page_tokens, b0, nb, kp.data());
+                if (records)
+                    decode_records(pages, page_tokens, b0, nb, dec.data(), kp.data());
+                else
+                    key_ptrs(keys, pages, page_tokens, b0, nb, kp.data());
                 transpose(kp.data(), nb, kt);
                 const T kmax = max_norm(kt, nb);
                 for (int64_t i = 0; i < nt; ++i) {
@@ -430,7 +470,7 @@ struct Indexer {
 template <typename T>
 int topk(const T* q, const T* w, const T* keys, const int64_t* table, int64_t table_stride, int64_t page_tokens,
          const int64_t* row_seg, const int64_t* n_visible, int64_t T_, int64_t HI, int64_t dI, int64_t S, int64_t k,
-         int64_t* cols, T* scores, int n_threads) {
+         int64_t* cols, T* scores, int n_threads, const uint8_t* records) {
     if (HI < 1 || dI < 1 || k < 1 || page_tokens < 1 || table_stride < 0 || S < 0) return 1;
     if (S > table_stride * page_tokens) return 1;   // a visible key would lie past its segment's page list
     for (int64_t t = 0; t < T_; ++t)
@@ -447,8 +487,8 @@ int topk(const T* q, const T* w, const T* keys, const int64_t* table, int64_t ta
         try {
             std::vector<int64_t> rows;   // rows tid, tid + nth, ...: balanced under the causal mask
             for (int64_t t = tid; t < T_; t += nth) rows.push_back(t);
-            Indexer<T>{HI, dI, k}.run_rows(q, w, keys, table, table_stride, page_tokens, row_seg, n_visible, width,
-                                           cols, scores, rows);
+            Indexer<T>{HI, dI, k, records}.run_rows(q, w, keys, table, table_stride, page_tokens, row_seg, n_visible,
+                                                    width, cols, scores, rows);
         } catch (const std::bad_alloc&) {
 #pragma omp atomic write
             oom = true;
@@ -465,13 +505,15 @@ extern "C" {
 // each segment's page ids, page p = arena rows p * page_tokens .. + page_tokens - 1; row_seg [T]: each row's
 // segment; n_visible [T] (0..S): row t sees its segment's logical keys 0 .. n_visible[t] - 1, key j at arena row
 // table[row_seg[t] * table_stride + j / page_tokens] * page_tokens + j % page_tokens. -> cols [T, width] (width =
-// min(k, S); logical key indices) and, when not null, scores [T, width]. Page ids and row_seg are not checked
-// (the caller's job). Returns 0, or 1 / 2 / 3: bad sizes / bad n_visible / out of memory.
+// min(k, S); logical key indices) and, when not null, scores [T, width]. records, when not null: fp8 key records
+// [rows, dI + 4] read in place of keys (same addressing). Page ids and row_seg are not checked (the caller's
+// job). Returns 0, or 1 / 2 / 3: bad sizes / bad n_visible / out of memory.
 int indexer_topk_f32(const float* q, const float* w, const float* keys, const int64_t* table, int64_t table_stride,
                      int64_t page_tokens, const int64_t* row_seg, const int64_t* n_visible, int64_t T, int64_t HI,
-                     int64_t dI, int64_t S, int64_t k, int64_t* cols, float* scores, int n_threads) {
+                     int64_t dI, int64_t S, int64_t k, int64_t* cols, float* scores, int n_threads,
+                     const uint8_t* records) {
     return topk<float>(q, w, keys, table, table_stride, page_tokens, row_seg, n_visible, T, HI, dI, S, k, cols,
-                       scores, n_threads);
+                       scores, n_threads, records);
 }
 
 int indexer_vec_bytes() { return VEC_BYTES; }
@@ -479,9 +521,9 @@ int indexer_vec_bytes() { return VEC_BYTES; }
 int indexer_topk_f64(const double* q, const double* w, const double* keys, const int64_t* table,
                      int64_t table_stride, int64_t page_tokens, const int64_t* row_seg, const int64_t* n_visible,
                      int64_t T, int64_t HI, int64_t dI, int64_t S, int64_t k, int64_t* cols, double* scores,
-                     int n_threads) {
+                     int n_threads, const uint8_t* records) {
     return topk<double>(q, w, keys, table, table_stride, page_tokens, row_seg, n_visible, T, HI, dI, S, k, cols,
-                        scores, n_threads);
+                        scores, n_threads, records);
 }
 
 }

@@ -4,7 +4,8 @@ Why not a torch C++ extension: the kernel needs only raw pointers, so a plain sh
 builds in ~2 s (a torch extension compiles the torch headers for ~1 min and needs ninja). The library is built
 with -march=native and cached per user in $HISPARSE_CACHE/kernels (default ~/.cache/hisparse), under a name
 that hashes the source, flags, compiler and CPU. Without a working compiler `available()` is False and callers
-use the torch path, which gives bit-identical selections.
+use the torch path, which gives bit-identical selections. Keys are plain (q's dtype) or the fp8 index cache's
+records [rows, dI + 4] uint8 (`model.index_cache`), decoded by the kernel as it gathers them.
 """
 
 from __future__ import annotations
@@ -53,9 +54,10 @@ def library(build: Build = Build()) -> ctypes.CDLL | None:
     for name in FUNCTIONS.values():
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
-        # q, w, keys, table; table_stride, page_tokens; row_seg, n_visible; T, HI, dI, S, k; cols, scores; threads
+        # q, w, keys, table; table_stride, page_tokens; row_seg, n_visible; T, HI, dI, S, k; cols, scores; threads;
+        # records
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 5 + \
-            [ctypes.c_void_p] * 2 + [ctypes.c_int]
+            [ctypes.c_void_p] * 2 + [ctypes.c_int, ctypes.c_void_p]
     return lib
 
 
@@ -72,10 +74,15 @@ def available() -> bool:
     return library() is not None
 
 
+def is_records(q: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether keys are fp8 key records [rows, dI + 4] uint8 for queries q [..., dI]."""
+    return keys.dtype == torch.uint8 and keys.dim() == 2 and keys.shape[1] == q.shape[-1] + 4
+
+
 def supports(q: torch.Tensor, wr: torch.Tensor, keys: torch.Tensor) -> bool:
-    """Whether fused_topk can take these inputs (CPU, fp32 or fp64, one dtype)."""
-    return (keys.device.type == "cpu" and q.device.type == "cpu" and keys.dtype in FUNCTIONS
-            and q.dtype == keys.dtype == wr.dtype)
+    """Whether fused_topk can take these inputs (CPU, fp32 or fp64, one dtype; keys of it or fp8 records)."""
+    return (keys.device.type == "cpu" and q.device.type == "cpu" and q.dtype in FUNCTIONS and q.dtype == wr.dtype
+            and (keys.dtype == q.dtype or is_records(q, keys)))
 
 
 def fused_topk(q: torch.Tensor, wr: torch.Tensor, keys: torch.Tensor, n_visible: torch.Tensor, k: int,
@@ -92,7 +99,7 @@ def fused_topk(q: torch.Tensor, wr: torch.Tensor, keys: torch.Tensor, n_visible:
         raise RuntimeError("fused_topk needs the built kernel and CPU fp32/fp64 inputs of one dtype")
     T, HI, dI = q.shape
     S = keys.shape[0]
-    if keys.shape[1] != dI or wr.shape != (T, HI) or n_visible.shape != (T,):
+    if keys.shape[1] != dI + 4 * is_records(q, keys) or wr.shape != (T, HI) or n_visible.shape != (T,):
         raise ValueError(f"fused_topk: shapes q {tuple(q.shape)}, wr {tuple(wr.shape)}, keys {tuple(keys.shape)}, "
                          f"n_visible {tuple(n_visible.shape)} do not match")
     # one segment whose one page holds all S keys
@@ -107,9 +114,10 @@ def fused_topk_paged(q: torch.Tensor, wr: torch.Tensor, keys: torch.Tensor, tabl
                      build: Build = Build()) -> tuple[torch.Tensor, torch.Tensor | None]:
     """fused_topk for a batch of rows of several requests (segments), each reading its keys through a page table.
 
-    keys [N, dI]: the shared arena; table [n_segments, P] (int64): each segment's page ids, page p = arena rows
-    p * page_tokens .. (p + 1) * page_tokens - 1; row_seg [T] (int64): each row's segment; n_visible [T] (int64,
-    0..S with S = P * page_tokens). Row t's logical key j (j < n_visible[t]) is arena row
+    keys [N, dI]: the shared arena (or fp8 key records [N, dI + 4] uint8); table [n_segments, P] (int64): each
+    segment's page ids, page p = arena rows p * page_tokens .. (p + 1) * page_tokens - 1; row_seg [T] (int64):
+    each row's segment; n_visible [T] (int64, 0..S with S = P * page_tokens). Row t's logical key j
+    (j < n_visible[t]) is arena row
     table[row_seg[t], j // page_tokens] * page_tokens + j % page_tokens. -> (cols [T, min(k, S)] of logical key
     indices, scores or None), as fused_topk gives on the row's segment's keys gathered in logical order. Rows
     share a cached key block only with neighbouring rows of the same segment, so rows grouped by segment run
@@ -124,9 +132,11 @@ def fused_topk_paged(q: torch.Tensor, wr: torch.Tensor, keys: torch.Tensor, tabl
             raise ValueError(f"fused_topk_paged: {name} must be a CPU tensor")
     if q.dtype not in FUNCTIONS:
         raise ValueError(f"fused_topk_paged: q must be float32 or float64, not {q.dtype}")
-    for name in ("wr", "keys"):
-        if tensors[name].dtype != q.dtype:
-            raise ValueError(f"fused_topk_paged: {name} must have q's dtype {q.dtype}, not {tensors[name].dtype}")
+    if wr.dtype != q.dtype:
+        raise ValueError(f"fused_topk_paged: wr must have q's dtype {q.dtype}, not {wr.dtype}")
+    if keys.dtype not in (q.dtype, torch.uint8):
+        raise ValueError(f"fused_topk_paged: keys must have q's dtype {q.dtype} (or be uint8 fp8 records), not "
+                         f"{keys.dtype}")
     for name in ("table", "row_seg", "n_visible"):
         if tensors[name].dtype != torch.int64:
             raise ValueError(f"fused_topk_paged: {name} must be int64, not {tensors[name].dtype}")
@@ -137,8 +147,10 @@ def fused_topk_paged(q: torch.Tensor, wr: torch.Tensor, keys: torch.Tensor, tabl
     for name, shape in expect.items():
         if tensors[name].shape != shape:
             raise ValueError(f"fused_topk_paged: {name} must be {list(shape)}, not {list(tensors[name].shape)}")
-    if keys.dim() != 2 or keys.shape[1] != dI:
-        raise ValueError(f"fused_topk_paged: keys must be [N, dI={dI}], not {list(keys.shape)}")
+    width = dI + 4 if keys.dtype == torch.uint8 else dI
+    if keys.dim() != 2 or keys.shape[1] != width:
+        raise ValueError(f"fused_topk_paged: keys must be [N, {width}] ({'fp8 records' if width > dI else 'dI'}), "
+                         f"not {list(keys.shape)}")
     if table.dim() != 2:
         raise ValueError(f"fused_topk_paged: table must be [n_segments, pages], not {list(table.shape)}")
     try:
@@ -175,10 +187,12 @@ def _launch(lib: ctypes.CDLL, caller: str, q: torch.Tensor, wr: torch.Tensor, ke
     table, row_seg, n_vis = table.contiguous(), row_seg.contiguous(), n_visible.contiguous()
     cols = torch.empty(T, min(k, S), dtype=torch.int64)
     scores = torch.empty(T, min(k, S), dtype=q.dtype) if with_scores else None
-    rc = getattr(lib, FUNCTIONS[q.dtype])(q.data_ptr(), wr.data_ptr(), keys.data_ptr(), table.data_ptr(),
-                                          table.shape[1], page_tokens, row_seg.data_ptr(), n_vis.data_ptr(), T, HI,
-                                          dI, S, k, cols.data_ptr(), scores.data_ptr() if with_scores else None,
-                                          torch.get_num_threads())
+    records = is_records(q, keys)
+    rc = getattr(lib, FUNCTIONS[q.dtype])(q.data_ptr(), wr.data_ptr(), None if records else keys.data_ptr(),
+                                          table.data_ptr(), table.shape[1], page_tokens, row_seg.data_ptr(),
+                                          n_vis.data_ptr(), T, HI, dI, S, k, cols.data_ptr(),
+                                          scores.data_ptr() if with_scores else None, torch.get_num_threads(),
+                                          keys.data_ptr() if records else None)
     if rc == 1:
         raise ValueError(f"{caller}: index_n_heads={HI}, index_head_dim={dI}, index_topk={k} must be >= 1")
     if rc == 2:
