@@ -16,18 +16,12 @@ import numpy as np
 import pytest
 import torch
 from test_sampling_processors import reference_processed
-from test_server import KEY, Server, auth, launch
+from test_server import KEY, Server, auth, server  # noqa: F401  (server: the module's fixture)
 
 from hisparse.engine.request import Request, SamplingParams
 from hisparse.model.tokenizer import load_tokenizer
 
 TOL = 2e-4   # server logits (chunked prefill, one-row decode steps, HiSparse gathers) vs one full forward
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
-    with launch(tmp_path_factory.mktemp("logs") / "serve.log") as s:
-        yield s
 
 
 @pytest.fixture(scope="module")

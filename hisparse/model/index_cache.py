@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from ..host_pool.layout import index_row_bytes
+from .paged_store import PagedStore
 
 INDEX_CACHES = ("fp8", "fp32")
 FP8 = torch.float8_e4m3fn
@@ -52,7 +53,7 @@ def dequantise(records: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (k8 * s).to(dtype)
 
 
-class IndexKeyStore:
+class IndexKeyStore(PagedStore):
     """One device tensor [rows, width] per indexer-owning layer, laid out in the pages of the KV store's
     `PageTable` (row = page * P + p % P), shared by every request; grows by doubling between steps.
 
@@ -63,26 +64,13 @@ class IndexKeyStore:
                  device: torch.device, page_tokens: int):
         if form not in INDEX_CACHES:
             raise ValueError(f"index_cache: must be one of {list(INDEX_CACHES)}, got {form!r}")
-        self.form, self.device, self.page_tokens = form, device, page_tokens
-        self.width = index_row_bytes(head_dim) if form == "fp8" else head_dim
-        self.dtype = torch.uint8 if form == "fp8" else dtype
-        self.data = {l: torch.zeros(0, self.width, dtype=self.dtype, device=device) for l in layers}
-
-    def fit(self, n_pages: int) -> None:
-        """Hold page ids < n_pages (keeps every stored row)."""
-        need = n_pages * self.page_tokens
-        for layer, t in self.data.items():
-            if t.shape[0] < need:
-                new = torch.zeros(max(need, 2 * t.shape[0]), self.width, dtype=self.dtype, device=self.device)
-                new[: t.shape[0]] = t
-                self.data[layer] = new
+        self.form = form
+        super().__init__(layers, index_row_bytes(head_dim) if form == "fp8" else head_dim,
+                         torch.uint8 if form == "fp8" else dtype, device, page_tokens)
 
     def write(self, layer: int, rows: torch.Tensor, keys: torch.Tensor) -> None:
         """Store keys [n, dI] at store rows [n]."""
         self.data[layer].index_copy_(0, rows, quantise(keys) if self.form == "fp8" else keys.to(self.dtype))
-
-    def bytes_per_page(self) -> int:
-        return self.page_tokens * self.width * self.dtype.itemsize * len(self.data)
 
     def bytes_per_token_layer(self) -> int:
         """Device bytes one token's key takes in one indexer layer (132 for fp8 at full size)."""
