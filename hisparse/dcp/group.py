@@ -1,6 +1,9 @@
-"""The DCP process group: collectives with a timeout, so a dead or hung peer raises instead of blocking forever.
+"""The process group of a parallel run (tensor and/or decode context parallelism): collectives with a timeout, so
+a dead or hung peer raises instead of blocking forever.
 
-Gloo on CPU, NCCL on CUDA. Ranks are started by `hisparse.dcp.launch` (spawned processes) or by torchrun
+The backend follows the device the ranks compute on (`--device`): NCCL for cuda, gloo otherwise, whatever the
+machine has; every tensor handed to a collective must live on that device (checked, so a CPU tensor cannot reach
+NCCL). Ranks are started by `hisparse.dcp.launch` (spawned processes) or by torchrun
 (`DCPGroup.from_env`). Every rank runs the same batch, so every rank issues the same collectives in the same order.
 With gloo a collective whose peer died fails at once (connection closed) and one whose peer hangs fails after
 `timeout_s`; with NCCL the watchdog tears the process down after `timeout_s`, which the launcher reports.
@@ -19,50 +22,99 @@ DEFAULT_TIMEOUT_S = 60.0
 
 
 class DCPError(RuntimeError):
-    """A DCP collective failed: a peer rank died, hung past the timeout, or the group is broken."""
+    """A collective failed: a peer rank died, hung past the timeout, or the group is broken."""
 
 
-def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+def backend_for(device: torch.device | str) -> str:
+    """The collective backend for ranks computing on `device`: NCCL for cuda, gloo for anything else."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
 class DCPGroup:
-    """This process's rank in a DCP group of `size` ranks (wraps a torch.distributed process group)."""
+    """This process's rank in a group of `size` ranks (wraps a torch.distributed process group); `device` is where
+    the tensors of its collectives live."""
 
-    def __init__(self, pg: dist.ProcessGroup | None = None, timeout_s: float = DEFAULT_TIMEOUT_S):
-        self.pg, self.timeout_s = pg, timeout_s
+    def __init__(self, pg: dist.ProcessGroup | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 device: torch.device | str = "cpu"):
+        self.pg, self.timeout_s, self.device = pg, timeout_s, torch.device(device)
         self.rank, self.size = dist.get_rank(pg), dist.get_world_size(pg)
 
     @classmethod
-    def init(cls, rank: int, size: int, init_method: str = "env://", backend: str | None = None,
+    def init(cls, rank: int, size: int, init_method: str = "env://", device: torch.device | str = "cpu",
              timeout_s: float = DEFAULT_TIMEOUT_S) -> "DCPGroup":
-        """Join the default process group as `rank` of `size` (init_method: file://, tcp:// or env://)."""
-        backend = backend or default_backend()
+        """Join the default process group as `rank` of `size` (init_method: file://, tcp:// or env://) with the
+        backend `device` calls for; a cuda rank uses GPU LOCAL_RANK (or its rank) modulo the visible GPUs."""
+        backend = backend_for(device)
         if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+            index = int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count()
+            torch.cuda.set_device(index)
+            device = torch.device("cuda", index)
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
-        return cls(None, timeout_s)
+        return cls(None, timeout_s, device)
 
     @classmethod
-    def from_env(cls, backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> "DCPGroup":
+    def from_env(cls, device: torch.device | str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S) -> "DCPGroup":
         """Join as torchrun describes this process (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
         missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
         if missing:
-            raise ValueError(f"DCP from torchrun: environment variable(s) {missing} not set")
-        return cls.init(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://", backend, timeout_s)
+            raise ValueError(f"parallel ranks from torchrun: environment variable(s) {missing} not set")
+        return cls.init(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://", device, timeout_s)
+
+    def subgroup(self, block: int) -> "DCPGroup":
+        """This rank's group of `block` consecutive ranks of this group (members g*block .. (g+1)*block - 1); only
+        that block's ranks call it (a group-local rendezvous)."""
+        if self.size % block:
+            raise ValueError(f"a group of {self.size} ranks does not split into blocks of {block}")
+        if block == self.size:
+            return self
+        ranks = dist.get_process_group_ranks(self.pg or dist.group.WORLD)
+        g = self.rank // block
+        pg = dist.new_group(ranks[g * block:(g + 1) * block], timeout=datetime.timedelta(seconds=self.timeout_s),
+                            use_local_synchronization=True)
+        return DCPGroup(pg, self.timeout_s, self.device)
+
+    def _check(self, x: torch.Tensor, op: str, what: str) -> torch.Tensor:
+        if x.device != self.device:
+            raise ValueError(f"rank {self.rank}: {op} for {what}: tensor on {x.device}, the group's collectives "
+                             f"run on {self.device}")
+        return x.contiguous()
+
+    def all_reduce(self, x: torch.Tensor, what: str) -> torch.Tensor:
+        """The sum of x over every rank (every rank gets the same bits); DCPError (naming `what`) if it fails."""
+        if self.size == 1:
+            return x
+        x = self._check(x, "all_reduce", what)
+        try:
+            dist.all_reduce(x, group=self.pg)
+        except Exception as e:   # noqa: BLE001 - as all_gather
+            raise self._failed("all_reduce", what, e) from e
+        return x
 
     def all_gather(self, x: torch.Tensor, what: str) -> torch.Tensor:
         """x [n, ...] from every rank -> [size, n, ...] in rank order; DCPError (naming `what`) if it fails."""
         if self.size == 1:
             return x[None]
-        x = x.contiguous()
+        x = self._check(x, "all_gather", what)
         out = x.new_empty((self.size * x.shape[0], *x.shape[1:]))
         try:
             dist.all_gather_single(out, x, group=self.pg)
         except Exception as e:   # noqa: BLE001 - every backend failure (timeout, closed peer) means the same here
             raise self._failed("all_gather", what, e) from e
         return out.view(self.size, *x.shape)
+
+    def all_to_all(self, x: torch.Tensor, what: str) -> torch.Tensor:
+        """x [size, ...]: x[j] goes to rank j; returns [size, ...] whose j-th entry came from rank j; DCPError
+        (naming `what`) if it fails."""
+        if self.size == 1:
+            return x
+        x = self._check(x, "all_to_all", what)
+        out = torch.empty_like(x)
+        try:
+            dist.all_to_all_single(out, x, group=self.pg)
+        except Exception as e:   # noqa: BLE001 - as all_gather
+            raise self._failed("all_to_all", what, e) from e
+        return out
 
     def broadcast_object(self, obj: Any, what: str) -> Any:
         """Rank 0's picklable `obj` on every rank (the others pass None); DCPError (naming `what`) if it fails."""
@@ -74,7 +126,7 @@ class DCPGroup:
         return box[0]
 
     def _failed(self, op: str, what: str, e: Exception) -> DCPError:
-        return DCPError(f"DCP rank {self.rank}/{self.size}: {op} for {what} failed (a peer rank died, hung past the "
+        return DCPError(f"rank {self.rank}/{self.size}: {op} for {what} failed (a peer rank died, hung past the "
                         f"{self.timeout_s:g} s timeout, or left the group): {e}")
 
     def close(self) -> None:

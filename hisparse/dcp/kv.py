@@ -69,10 +69,12 @@ class ShardedKV(LatentKV):
 
     def attend(self, layer: int, q_lat: torch.Tensor, q_rope: torch.Tensor | None, seg: torch.Tensor,
                sel: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Partial attention over Sel(t) ∩ Own_r, LSE-combined across ranks (lse: this rank's partial)."""
+        """Partial attention over Sel(t) ∩ Own_r, LSE-combined across ranks (lse: this rank's partial). With
+        tensor-parallel heads, over the queries of every head of the group, and this rank's heads returned."""
         sh = self.sharding
         mine = (sel >= 0) & (sh.owner(sel) == sh.rank)
         local = torch.where(mine, sh.local(sel.clamp(min=0)), -1)
+        q_lat, q_rope = self.dcp.gather_heads(q_lat, layer), self.dcp.gather_heads(q_rope, layer)
         olat, lse = self.inner.attend(layer, q_lat, q_rope, seg, local, scale)
         return self.dcp.combine(olat, lse, layer), lse
 

@@ -55,14 +55,14 @@ def failure_report(workdir: str | Path, rank: int) -> Iterator[None]:
         raise SystemExit(1)
 
 
-def _rank_main(rank: int, size: int, workdir: str, backend: str | None, timeout_s: float, threads: int | None,
+def _rank_main(rank: int, size: int, workdir: str, device: str, timeout_s: float, threads: int | None,
                fn: Callable[..., Any], args: tuple) -> None:
     """Body of one rank process: join the group, run fn, save its result (or its traceback, then exit 1)."""
     die_with_parent()
     with failure_report(workdir, rank):
         if threads:
             torch.set_num_threads(threads)
-        group = DCPGroup.init(rank, size, store_url(workdir), backend, timeout_s)
+        group = DCPGroup.init(rank, size, store_url(workdir), device, timeout_s)
         result = fn(group, *args)
         torch.save(result, Path(workdir) / f"result{rank}.pt")
         group.close()
@@ -83,12 +83,13 @@ def rank_failure(workdir: str | Path, rank: int, code: int) -> str:
     return f"died: killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
 
 
-def launch(fn: Callable[..., Any], size: int, *args: Any, backend: str | None = None,
+def launch(fn: Callable[..., Any], size: int, *args: Any, device: str = "cpu",
            timeout_s: float = DEFAULT_TIMEOUT_S, threads: int | None = None, grace_s: float | None = None,
            deadline_s: float | None = None) -> list[Any]:
     """Run fn(group: DCPGroup, *args) on `size` spawned ranks; their return values, rank-ordered.
 
-    fn and args must be picklable (fn a module-level function). threads: intra-op threads per rank. grace_s:
+    fn and args must be picklable (fn a module-level function). device: where the ranks compute (it picks the
+    backend: NCCL for cuda, gloo otherwise). threads: intra-op threads per rank. grace_s:
     how long the survivors of a failure get to fail on their own (default timeout_s + 1). deadline_s: a bound on
     the whole run (default: none)."""
     if size < 1:
@@ -96,7 +97,7 @@ def launch(fn: Callable[..., Any], size: int, *args: Any, backend: str | None = 
     grace_s = timeout_s + 1.0 if grace_s is None else grace_s
     ctx = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="hisparse-dcp-") as workdir:
-        procs = [ctx.Process(target=_rank_main, args=(r, size, workdir, backend, timeout_s, threads, fn, args),
+        procs = [ctx.Process(target=_rank_main, args=(r, size, workdir, device, timeout_s, threads, fn, args),
                              name=f"dcp-rank{r}", daemon=True) for r in range(size)]
         failed: list[int] = []      # ranks in the order they failed
         killed: set[int] = set()

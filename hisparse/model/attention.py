@@ -49,6 +49,7 @@ class MLA(nn.Module):
         super().__init__()
         self.cfg, self.spec = cfg, spec
         H, r = cfg.n_heads, cfg.kv_lora_rank
+        self.n_heads = H   # the heads this module computes (a tensor-parallel rank holds n_heads / TP of them)
         self.q_head_dim, self.scale = cfg.q_head_dim(spec), cfg.softmax_scale(spec)
         self.wq = Linear(cfg.dim, H * self.q_head_dim, bias=False)
         if spec.kv_owner:
@@ -80,7 +81,7 @@ class MLA(nn.Module):
                 sin: torch.Tensor | None) -> torch.Tensor:   # x [N, D], cos/sin [N, dR/2] -> [N, D]
         """Attention of the query rows x (after `write`: a query sees its own position's latent and key)."""
         cfg, spec = self.cfg, self.spec
-        H, dN, r = cfg.n_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
+        H, dN, r = self.n_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
         q = self.wq(x).view(-1, H, self.q_head_dim)
         q_nope, q_rope = q[..., :dN], (apply_rope(q[..., dN:], cos, sin) if spec.rope else None)
         if self.ssmax_scaling is not None:

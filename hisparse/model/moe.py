@@ -43,6 +43,8 @@ class MoE(nn.Module):
         self.top_k, self.routed_scale = m.num_experts_per_tok, m.routed_scale
         self.gate = Linear(cfg.dim, m.num_experts, bias=False)
         self.experts = nn.ModuleList(SwiGLU(cfg.dim, m.expert_hidden_dim) for _ in range(m.num_experts))
+        self.local_experts = range(m.num_experts)   # the experts this module computes (the others are None: an
+                                                    # expert-parallel rank holds num_experts / EP of them)
         self.shared_experts = SwiGLU(cfg.dim, m.expert_hidden_dim * m.num_shared_experts)
 
     def forward(self, y: torch.Tensor) -> torch.Tensor:   # y [N, D]
@@ -54,8 +56,9 @@ class MoE(nn.Module):
         counts = torch.bincount(flat_ids, minlength=len(self.experts)).tolist()
         token_of = order // self.top_k
         gate_of = gates.flatten()[order].to(y.dtype)
-        start = 0
-        for e, n in enumerate(counts):   # one batched SwiGLU per expert, over the tokens routed to it
+        start = sum(counts[:self.local_experts.start])
+        for e in self.local_experts:   # one batched SwiGLU per expert, over the tokens routed to it
+            n = counts[e]
             if n:
                 tok = token_of[start:start + n]
                 out.index_add_(0, tok, self.experts[e](y[tok]) * gate_of[start:start + n, None])

@@ -164,9 +164,10 @@ def load_weights(model: nn.Module, ckpt: ShardedTensors, block: tuple[int, int],
 
 
 def load_model(model_dir: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-               select: Select | None = None, progress: bool = True) -> ML4:
-    """Build ML4 from params.json and stream in every tensor it implies (see `load_weights`; `select` picks the
-    region of each parameter to load); errors name the offending tensor."""
+               shard: Callable[[ML4], Select | None] | None = None, progress: bool = True) -> ML4:
+    """Build ML4 from params.json and stream in every tensor it implies (see `load_weights`); errors name the
+    offending tensor. `shard` narrows the meta-device model to one rank's share and returns the region of each
+    parameter to load (`hisparse.parallel.tp`)."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.load(model_dir)
     block = cfg.quantization.weight_block_size if cfg.quantization else (128, 128)
@@ -185,6 +186,7 @@ def load_model(model_dir: str | Path, device: torch.device | str = "cpu", dtype:
             continue
         if name not in expected:
             raise CheckpointError(f"unexpected tensor '{name}' (not implied by params.json)")
+    select = shard(model) if shard is not None else None
     load_weights(model, ckpt, tuple(block), device, dtype, select, progress)
     return model.eval()
 
