@@ -211,10 +211,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--debug-hooks", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                    help="uvicorn's log level (default: %(default)s)")
-    p.add_argument("--dcp-size", type=int, default=1,
-                   help="decode context parallelism: ranks (processes) sharing every request's KV; this process is "
-                        "rank 0 and starts the others (or run under torchrun --nproc-per-node R) "
-                        "(default: %(default)s)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="tensor parallelism: rank processes, each with 1/T of the heads, FFNs, vocabulary and routed "
+                        "experts; this process is rank 0 and starts the others (or run under torchrun "
+                        "--nproc-per-node T) (default: %(default)s)")
+    p.add_argument("--decode-context-parallel-size", "-dcp", "--dcp-size", dest="decode_context_parallel_size",
+                   type=int, default=1,
+                   help="decode context parallelism: ranks sharing every request's KV (each holds 1/D of the rows and "
+                        "indexer keys); with -tp T, D divides T and each DCP group is D consecutive TP ranks; "
+                        "without -tp, D rank processes (default: %(default)s)")
     p.add_argument("--dcp-interleave", type=int, default=1,
                    help="DCP: consecutive tokens per rank (I) (default: %(default)s)")
     p.add_argument("--dcp-timeout", type=float, default=DEFAULT_TIMEOUT_S,

@@ -28,7 +28,7 @@ def test_node_table_reproduces_the_spec_arithmetic(tmp_path: Path) -> None:
     out = tmp_path / "node_table.json"
     run = subprocess.run([sys.executable, "-m", "benchmarks.node_table", "--out", str(out)], cwd=ROOT, check=True,
                          capture_output=True, text=True, timeout=300)
-    assert "| per rank | TP1 | TP8 | seed 000 |" in run.stdout
+    assert "| per rank | TP1 | TP8 DCP8 | seed 000 |" in run.stdout
     r = json.loads(out.read_text())
     kv, w = r["TP1"]["kv"], r["TP1"]["weights"]
     assert kv["fp8"]["index_bytes_per_token_layer"] == 132 and kv["fp32"]["index_bytes_per_token_layer"] == 512
@@ -39,4 +39,12 @@ def test_node_table_reproduces_the_spec_arithmetic(tmp_path: Path) -> None:
     assert w["total"]["params"] < w["total"]["fp8_bytes"] < 1.01 * w["total"]["params"] < w["total"]["bf16_bytes"]
     ctx = r["TP1"]["context_after_fp8_weights"]["fp8"]["without_hisparse"]
     assert ctx["tokens"] == 0 and ctx["free_bytes"] == r["device_bytes"] - w["total"]["fp8_bytes"] < 0
-    assert r["TP8"] == "needs tensor parallelism"
+    # TP8: rank 0's share from TensorParallel's own sharding: 1/8 of the experts, more than 1/8 of the whole
+    # (replicated indexer, latent head, norms, drafter)
+    w8 = r["TP8_DCP8"]["weights"]
+    assert w8["routed_experts"]["params"] * 8 == w["routed_experts"]["params"]
+    assert w["total"]["params"] / 8 < w8["total"]["params"] < w["total"]["params"] / 7
+    node = r["TP8_DCP8"]["context_after_fp8_weights_dcp8"]["fp8"]
+    assert node["without_hisparse"]["free_bytes"] == r["device_bytes"] - w8["total"]["fp8_bytes"] > 0
+    assert node["without_hisparse"]["tokens"] == int(node["without_hisparse"]["free_bytes"] // (47_136 / 8))
+    assert r["TP8_DCP8"]["ratio_node_context_hisparse_vs_resident"]["fp8"] > 7

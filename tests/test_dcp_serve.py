@@ -40,7 +40,7 @@ from hisparse.engine.kv_settings import KVSettings
 from hisparse.engine.request import SamplingParams
 from hisparse.engine.scheduler import SchedulerConfig
 from hisparse.engine.speculative import SpeculativeConfig
-from hisparse.model.tiny import builtin_tiny
+from hisparse.model.tiny import builtin_tiny, make_tiny
 from hisparse.model.tokenizer import load_tokenizer
 from hisparse.model.weights import load_model
 
@@ -91,9 +91,11 @@ def complete_all(server: Server, ps: list[list[int]]) -> list[str]:
 
 
 @contextmanager
-def dcp_server(log: Path, *extra: str, healthy: bool = True) -> Iterator[tuple[Server, subprocess.Popen]]:
-    """`hisparse serve` (built-in tiny checkpoint, HiSparse with a small hot buffer) with `extra` flags."""
-    ckpt, port = builtin_tiny(), free_port()
+def dcp_server(log: Path, *extra: str, healthy: bool = True, ckpt: Path | None = None
+               ) -> Iterator[tuple[Server, subprocess.Popen]]:
+    """`hisparse serve` (`ckpt`, default the built-in tiny checkpoint; HiSparse with a small hot buffer) with `extra`
+    flags."""
+    ckpt, port = ckpt or builtin_tiny(), free_port()
     cmd = [sys.executable, "-m", "hisparse.cli", "serve", "--model", str(ckpt), "--port", str(port), "--api-key", KEY,
            "--max-model-len", str(MAX_MODEL_LEN), "--host-pool-gib", str(POOL_GIB), "--hot-buffer-tokens", str(HOT),
            "--resident-window", str(WINDOW), "--device", "cpu", "--dtype", "float64", "--log-level", "warning",
@@ -106,7 +108,7 @@ def dcp_server(log: Path, *extra: str, healthy: bool = True) -> Iterator[tuple[S
 
 
 def follower_pids(log: Path) -> list[int]:
-    return [int(m) for m in re.findall(r"DCP rank [1-9]\d* \(pid (\d+)\)", log.read_text())]
+    return [int(m) for m in re.findall(r"(?:DCP|TP) rank [1-9]\d* \(pid (\d+)\)", log.read_text())]
 
 
 def descendants(pid: int) -> set[int]:
@@ -176,12 +178,44 @@ def test_dcp_server_greedy_equals_single_rank(tmp_path: Path, reference, interle
     assert_all_gone(group)
 
 
-@pytest.mark.parametrize("how", ["kill", "hang"])
-def test_dead_or_hung_follower_fails_the_server_cleanly(tmp_path: Path, how: str, seed: int) -> None:
+@pytest.mark.parametrize("spec", [None, 2], ids=["plain", "dspark"])
+def test_tp_dcp_server_on_fp8_equals_single_rank(tmp_path: Path, seed: int, spec: int | None) -> None:
+    """-tp 2 -dcp 2 on an FP8 checkpoint (each rank loads its half of the FP8 blocks): concurrent greedy completions
+    equal the single-rank ones, also with DSpark (every rank runs the drafter's block forwards, whose vocab-parallel
+    embedding and head are collectives); startup names every rank's weight bytes (each less than the whole
+    model's)."""
+    ckpt = make_tiny(tmp_path / "fp8", fp8=True, seed=seed)
+    torch.set_num_threads(1)
+    model = load_model(ckpt, dtype=torch.float64)
+    text = load_tokenizer(ckpt).instruct_tokenizer.tokenizer
+    settings = KVSettings(host_pool_gib=POOL_GIB, hot_buffer_tokens=HOT, resident_window=WINDOW)
+    ps = prompts(seed)
+    want = [text.decode(greedy_generate(model, settings.build(model.cfg, dtype=torch.float64), p, TOKENS).tokens)
+            for p in ps]
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())
+    extra = ["--speculative-config", f'{{"method": "dspark", "num_speculative_tokens": {spec}}}'] if spec else []
+    with dcp_server(tmp_path / "serve.log", "-tp", "2", "-dcp", "2", *extra, ckpt=ckpt) as (server, proc):
+        log = server.log.read_text()
+        assert "TP2 DCP2: 2 rank processes" in log and len(follower_pids(server.log)) == 1
+        weights = [int(w.replace(",", "")) for w in re.findall(r"TP rank \d+ \(pid \d+\): .* weights ([\d,]+) bytes",
+                                                                  log)]
+        assert len(weights) == 2 and all(w < 0.75 * whole for w in weights), (weights, whole)
+        assert complete_all(server, ps) == want
+        if spec:
+            assert server.metrics()["hisparse_spec_decode_num_draft_tokens_total"] > 0
+        group = descendants(proc.pid) | {proc.pid}
+    assert proc.returncode == 0 or proc.returncode == -signal.SIGTERM
+    assert_all_gone(group)
+
+
+@pytest.mark.parametrize("how, flags", [("kill", ("--dcp-size", "2")), ("hang", ("--dcp-size", "2")),
+                                        ("kill", ("-tp", "2", "-dcp", "2"))], ids=["kill", "hang", "kill-tp2-dcp2"])
+def test_dead_or_hung_follower_fails_the_server_cleanly(tmp_path: Path, how: str, flags: tuple[str, ...],
+                                                        seed: int) -> None:
     """Two requests in flight (one streaming) when rank 1 is SIGKILLed or SIGSTOPped: both end with an error
-    naming DCP and rank 1 within the timeout, a new request is refused, the server exits non-zero, no process is
-    left."""
-    with dcp_server(tmp_path / "serve.log", "--dcp-size", "2") as (server, proc):
+    naming the group and rank 1 within the timeout, a new request is refused, the server exits non-zero, no process
+    is left."""
+    with dcp_server(tmp_path / "serve.log", *flags) as (server, proc):
         group = descendants(proc.pid) | {proc.pid}
         (follower,) = follower_pids(server.log)
         events: list[str] = []
@@ -223,7 +257,7 @@ def test_dead_or_hung_follower_fails_the_server_cleanly(tmp_path: Path, how: str
     errors = [e for e in events if '"error"' in e]
     assert errors and f"rank 1 (pid {follower})" in errors[0] and events[-1] == "data: [DONE]"
     assert elapsed < 2 * TIMEOUT + 5
-    assert code not in (0, None) and "stopped because the DCP group failed" in server.log.read_text()
+    assert code not in (0, None) and re.search(r"stopped because the (TP2 )?DCP2 group failed", server.log.read_text())
     assert_all_gone(group)
 
 
@@ -249,11 +283,11 @@ def window_rank(group: DCPGroup, seed: int) -> dict:
     kv = KVSettings(host_pool_gib=POOL_GIB, hot_buffer_tokens=HOT, resident_window=WINDOW).build(model.cfg)
     spec = SpeculativeConfig(num_speculative_tokens=2)
     if group.rank > 0:
-        cache = run_follower(group, model, kv, 1, spec).speculator.proposer.cache
+        cache = run_follower(group, model, ShardedKV(kv, DCPContext(group, 1)), spec).speculator.proposer.cache
         return {"rows": cache.rows, "pos": cache.pos}
-    engine = DCPEngine(model, ShardedKV(kv, DCPContext(group, 1)),
+    engine = DCPEngine(model, ShardedKV(kv, DCPContext(group, 1)), group,
                        SchedulerConfig(max_model_len=512, max_num_seqs=4, max_num_batched_tokens=64), speculative=spec)
-    engine.leader.gather()                       # the start-up exchange run_follower expects
+    engine.start_up(model)                       # the start-up exchanges run_follower expects
     for p in prompts(seed):
         engine.add_request(p, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
     for _ in range(12):

@@ -2,10 +2,13 @@
 
 It owns a model replica, its ShardedKV (its own host pool and working set under HiSparse) and, with speculative
 decoding, its own DSpark draft window cache, kept identical to rank 0's by the same observe / rollback / release
-ops on the same (replicated) hidden states. It never schedules, drafts or samples.
+ops on the same (replicated) hidden states. It never schedules or samples, and drafts only under tensor
+parallelism, where it runs rank 0's block forwards in lockstep ("propose" ops) and discards its drafts.
 """
 
 from __future__ import annotations
+
+import torch
 
 from ..engine.runner import ModelRunner, SegmentOutput
 from ..engine.spec_decode import Speculator
@@ -45,5 +48,9 @@ class Follower:
         elif kind == "observe":
             indices, kept = arg
             self.speculator.observe([self.last[i] for i in indices], kept)
+        elif kind == "propose":   # rank 0's block forward, run here for its collectives; the drafts are rank 0's
+            reqs, anchors, pos, n = arg
+            self.speculator.proposer.propose_batch(reqs, torch.tensor(anchors), torch.tensor(pos), n,
+                                                   lambda z: (z.argmax(-1), None))
         else:
             raise ValueError(f"DCP rank {self.group.rank}: unknown op {kind!r} from rank 0")

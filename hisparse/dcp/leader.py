@@ -1,4 +1,4 @@
-"""Rank 0 of a serving DCP group: the engine whose every forward the followers replay.
+"""Rank 0 of a serving parallel group (TP and/or DCP): the engine whose every forward the followers replay.
 
 `DCPEngine` is the ordinary engine with three hooks: its runner broadcasts each step before running it, its
 speculator records every rollback and draft-window update, and every finished request records its release
@@ -20,8 +20,7 @@ from ..engine.speculative import Proposer, SpeculativeConfig
 from ..model.kv import LatentKV
 from ..model.ml4 import ML4
 from .group import DCPError, DCPGroup
-from .kv import ShardedKV
-from .replica import Op, RankPool, ReplayStep, StepMessage, gather_pools
+from .replica import Op, RankInfo, RankPool, ReplayStep, StepMessage, gather_pools, gather_ranks
 
 log = logging.getLogger("hisparse.dcp")
 
@@ -29,7 +28,7 @@ log = logging.getLogger("hisparse.dcp")
 class Leader:
     """Rank 0's side of the step protocol: the ops since the last message, and the last RankPool report."""
 
-    def __init__(self, group: DCPGroup, kv: ShardedKV):
+    def __init__(self, group: DCPGroup, kv: LatentKV):
         self.group, self.kv = group, kv
         self.ops: list[Op] = []
         self.pools: list[RankPool] = []
@@ -75,19 +74,43 @@ class LeaderSpeculator(Speculator):
         super().observe(outs, kept)
 
 
-class DCPEngine(Engine):
-    """The engine on rank 0 of a DCP group; `kv` is rank 0's ShardedKV (other arguments: Engine's). Idle, it
-    sends a heartbeat every quarter of the group timeout. `diagnose` (optional) says which peer failed, for the
-    error every request in flight gets when the group breaks."""
+class LockstepProposer:
+    """Rank 0's drafter when its block forward has collectives (tensor parallelism: the drafter reads the
+    vocab-parallel embedding and head): each `propose_batch` is first sent to the followers as a "propose" op, so
+    every rank runs the same block forward; the followers' drafts are discarded (rank 0's reach them as the next
+    step's tokens). Everything else is the drafter's own (window caches stay replicated by the observe ops)."""
 
-    def __init__(self, model: ML4, kv: ShardedKV, *args, **kwargs):
-        self.leader = Leader(kv.dcp.group, kv)
-        self.idle_s = kv.dcp.group.timeout_s / 4
+    def __init__(self, inner: Proposer, leader: Leader):
+        self.inner, self.leader = inner, leader
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def propose_batch(self, reqs: list, anchors, pos, n: int, sample):
+        self.leader.record(("propose", list(reqs), anchors.tolist(), pos.tolist(), n))
+        self.leader.send()                 # the followers apply the ops up to and including this propose ...
+        out = self.inner.propose_batch(reqs, anchors, pos, n, sample)
+        self.leader.gather()               # ... then exchange pool stats, as after every message
+        return out
+
+
+class DCPEngine(Engine):
+    """The engine on rank 0 of a parallel group `group` (every rank); `kv` is rank 0's store (its ShardedKV under
+    DCP; other arguments: Engine's). Idle, it sends a heartbeat every quarter of the group timeout. `diagnose`
+    (optional) says which peer failed, for the error every request in flight gets when the group breaks.
+    `lockstep_drafts`: every rank runs the drafter's block forwards (tensor parallelism)."""
+
+    def __init__(self, model: ML4, kv: LatentKV, group: DCPGroup, *args, lockstep_drafts: bool = False, **kwargs):
+        self.leader = Leader(group, kv)
+        self.lockstep_drafts = lockstep_drafts
+        self.idle_s = group.timeout_s / 4
         self.diagnose: Callable[[], str] | None = None
         super().__init__(model, kv, *args, **kwargs)
 
     def make_speculator(self, config: SpeculativeConfig, proposer: Proposer, kv: LatentKV,
                         window: int | None) -> Speculator:
+        if self.lockstep_drafts:
+            proposer = LockstepProposer(proposer, self.leader)
         return LeaderSpeculator(self.leader, config, proposer, kv, window)
 
     def make_runner(self, model: ML4, kv: LatentKV, tap_layers: tuple[int, ...]) -> ModelRunner:
@@ -105,6 +128,12 @@ class DCPEngine(Engine):
     def _die(self, err: DCPError) -> None:
         why = self.diagnose() if self.diagnose is not None else ""
         super()._die(DCPError(f"{why}. {err}") if why else err)
+
+    def start_up(self, model: ML4) -> list[RankInfo]:
+        """The start-up exchanges `run_follower` makes on every other rank: weights and working sets, then pools."""
+        ranks = gather_ranks(self.leader.group, model, self.leader.kv)
+        self.leader.gather()
+        return ranks
 
     def idle(self) -> None:
         self.leader.send()

@@ -14,15 +14,19 @@ from dataclasses import dataclass, field, fields
 from itertools import accumulate
 
 import torch
+from torch import nn
 
 from ..engine.runner import ScheduledStep
 from ..model.kv import KVStats, LatentKV
 from .group import DCPGroup
+from .kv import ShardedKV
 
 # ("release", req_id)                 the request finished: free its KV and draft window
 # ("rollback", req_id, length)         rejected drafts: forget positions >= length in the KV and draft window
 # ("observe", indices, kept)           draft-window update from the first kept[i] rows of the last forward's
 #                                      segment indices[i]
+# ("propose", reqs, anchors, pos, n)   run the drafter's block forward as rank 0 does (tensor parallelism: it
+#                                      has collectives); the drafts are rank 0's
 Op = tuple
 
 
@@ -84,11 +88,35 @@ class RankPool:
 STAT_FIELDS = tuple(f.name for f in fields(KVStats))
 
 
+def own_store(kv: LatentKV) -> LatentKV:
+    """The store this rank holds itself (a ShardedKV's inner store)."""
+    return kv.inner if isinstance(kv, ShardedKV) else kv
+
+
 def gather_pools(group: DCPGroup, kv: LatentKV) -> list[RankPool]:
-    """Every rank's RankPool (a collective: all ranks call it). kv: this rank's ShardedKV."""
-    pool = getattr(kv.inner, "pool", None)
+    """Every rank's RankPool (a collective: all ranks call it). kv: this rank's store (ShardedKV under DCP)."""
+    pool = getattr(own_store(kv), "pool", None)
     mine = [pool.token_capacity, pool.pages_used * pool.page_tokens] if pool is not None else [0, 0]
     mine += [getattr(kv.stats, k) for k in STAT_FIELDS]
-    every = group.all_gather(torch.tensor([mine], dtype=torch.float64), "per-rank pool stats")   # [R, 1, n]
+    every = group.all_gather(torch.tensor([mine], dtype=torch.float64, device=group.device),
+                             "per-rank pool stats")                                                  # [R, 1, n]
     return [RankPool(int(r[0]), int(r[1]), KVStats(**{k: int(v) for k, v in zip(STAT_FIELDS, r[2:].tolist())}))
-            for r in every[:, 0]]
+            for r in every[:, 0].cpu()]
+
+
+@dataclass
+class RankInfo:
+    """What a rank holds on its device, exchanged once at startup."""
+    weight_bytes: int
+    working_set_bytes: int    # per request: HiSparse's hot buffer + resident window rows and their metadata
+
+
+def gather_ranks(group: DCPGroup, model: nn.Module, kv: LatentKV) -> list[RankInfo]:
+    """Every rank's RankInfo (a collective: all ranks call it, once, after joining)."""
+    store = own_store(kv)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    ws = store.arena.slot_bytes() + sum(h.nbytes_per_slot() for h in store.hot.values()) \
+        if hasattr(store, "arena") else 0
+    every = group.all_gather(torch.tensor([[weights, ws]], dtype=torch.float64, device=group.device),
+                             "per-rank weight and working-set bytes")
+    return [RankInfo(int(w), int(s)) for w, s in every[:, 0].cpu().tolist()]

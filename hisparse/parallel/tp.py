@@ -1,7 +1,8 @@
 """Tensor and expert parallelism for ML4, applied from outside the model (as gpt-fast's tp.py and DeepSeek-V3.2's
 parallel linears do): `TensorParallel(group).shard(model)` narrows a meta-device ML4 to one rank's share, adds the
 collectives as forward hooks, and returns the loader's `select` (the region of every checkpoint tensor this rank
-reads, so each rank reads only its slices).
+reads, so each rank reads only its slices). Sharding needs only the rank and the size: a rank loads its share
+before it joins the group, and `bind` hands the hooks the group afterwards.
 
 The split over R ranks (rank i; every split size must divide by R):
 - attention: heads [i H/R, (i+1) H/R): wq and wkv_b rows (column-parallel), SSMax rows, wo columns (row-parallel,
@@ -46,27 +47,40 @@ class VocabParallelEmbedding(nn.Embedding):
     """Rows [start, start + num_embeddings) of the vocabulary; the embeddings of the whole vocabulary are the sum
     over ranks (a token outside a rank's rows embeds as zeros there), so the sum is exact."""
 
-    def __init__(self, num_embeddings: int, dim: int, start: int, group: DCPGroup):
+    def __init__(self, num_embeddings: int, dim: int, start: int, tp: "TensorParallel"):
         super().__init__(num_embeddings, dim)
-        self.start, self.group = start, group
+        self.start, self.tp = start, tp
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:   # ids [N] -> [N, D]
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:   # ids [...] -> [..., D]
         local = ids - self.start
         mine = (local >= 0) & (local < self.num_embeddings)
-        x = F.embedding(local.clamp(0, self.num_embeddings - 1), self.weight) * mine[:, None].to(self.weight.dtype)
-        return self.group.all_reduce(x, "the token embeddings")
+        x = F.embedding(local.clamp(0, self.num_embeddings - 1), self.weight) * mine[..., None].to(self.weight.dtype)
+        return self.tp.comm.all_reduce(x, "the token embeddings")
 
 
 class TensorParallel:
-    """Shards a meta-device ML4 for this rank of `group` (the tensor-parallel group)."""
+    """Shards a meta-device ML4 for rank `rank` of a tensor-parallel group of `size` ranks; `bind` gives it the
+    group its collectives run in (before the first forward)."""
 
-    def __init__(self, group: DCPGroup):
-        self.group = group
+    def __init__(self, rank: int, size: int, group: DCPGroup | None = None):
+        if not 0 <= rank < size:
+            raise ValueError(f"tensor parallelism: rank {rank} of {size}")
+        self.rank, self.size, self.group = rank, size, None
         self.regions: dict[str, Region] = {}
+        if group is not None:
+            self.bind(group)
+
+    def bind(self, group: DCPGroup) -> None:
+        if (group.rank, group.size) != (self.rank, self.size):
+            raise ValueError(f"tensor parallelism: sharded for rank {self.rank} of {self.size}, bound to rank "
+                             f"{group.rank} of {group.size}")
+        self.group = group
 
     @property
-    def size(self) -> int:
-        return self.group.size
+    def comm(self) -> DCPGroup:
+        if self.group is None:
+            raise RuntimeError("tensor parallelism: forward before the rank joined its group (bind)")
+        return self.group
 
     def shard(self, model: ML4) -> Select | None:
         """Narrow `model` (on the meta device) to this rank's share and hook in its collectives; the loader's
@@ -91,20 +105,19 @@ class TensorParallel:
 
     # ---- pieces ----
     def _vocab(self, model: ML4) -> None:
-        V, D, R, i = model.cfg.vocab_size, model.cfg.dim, self.size, self.group.rank
-        rows = split(V, R, i, "vocab_size")
-        model.tok_embeddings = VocabParallelEmbedding(rows.stop - rows.start, D, rows.start, self.group)
+        V, D = model.cfg.vocab_size, model.cfg.dim
+        rows = split(V, self.size, self.rank, "vocab_size")
+        model.tok_embeddings = VocabParallelEmbedding(rows.stop - rows.start, D, rows.start, self)
         self.regions["tok_embeddings.weight"] = (rows,)
         model.output = self._column(model.output, "output.", rows)
-        group = self.group
 
         def gather_logits(module: nn.Module, args: tuple, z: torch.Tensor) -> torch.Tensor:
-            every = group.all_gather(z, "the output logits")            # [R, n, V/R]
-            return every.permute(1, 0, 2).flatten(1)                     # [n, V] in vocabulary order
+            every = self.comm.all_gather(z, "the output logits")        # [R, ..., V/R]
+            return every.movedim(0, -2).flatten(-2)                      # [..., V] in vocabulary order
         model.output.register_forward_hook(gather_logits)
 
     def _attention(self, prefix: str, attn: MLA) -> None:
-        cfg, R, i = attn.cfg, self.size, self.group.rank
+        cfg, R, i = attn.cfg, self.size, self.rank
         heads = split(cfg.n_heads, R, i, "n_heads")
         dq, dkv, dV = attn.q_head_dim, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.v_head_dim
         attn.n_heads = heads.stop - heads.start
@@ -117,13 +130,13 @@ class TensorParallel:
             self.regions[prefix + "ssmax_scaling"] = (heads,)
 
     def _swiglu(self, prefix: str, ffn: SwiGLU) -> None:
-        hidden = split(ffn.w1.out_features, self.size, self.group.rank, prefix + "hidden")
+        hidden = split(ffn.w1.out_features, self.size, self.rank, prefix + "hidden")
         ffn.w1 = self._column(ffn.w1, prefix + "w1.", hidden)
         ffn.w3 = self._column(ffn.w3, prefix + "w3.", hidden)
         ffn.w2 = self._row(ffn.w2, prefix + "w2.", hidden)
 
     def _moe(self, prefix: str, moe: MoE) -> None:
-        mine = split(len(moe.experts), self.size, self.group.rank, "num_experts")
+        mine = split(len(moe.experts), self.size, self.rank, "num_experts")
         for e in range(len(moe.experts)):
             if not mine.start <= e < mine.stop:
                 moe.experts[e] = None
@@ -142,10 +155,9 @@ class TensorParallel:
         return Linear(cols.stop - cols.start, linear.out_features, bias=False)
 
     def _reduce_output(self, module: nn.Module, what: str) -> None:
-        group = self.group
-        module.register_forward_hook(lambda m, args, out: group.all_reduce(out, what))
+        module.register_forward_hook(lambda m, args, out: self.comm.all_reduce(out, what))
 
 
 def shard_for(group: DCPGroup | None) -> Callable[[ML4], Select | None] | None:
-    """The loader's `shard` hook for a tensor-parallel group (None: no tensor parallelism)."""
-    return None if group is None or group.size == 1 else TensorParallel(group).shard
+    """The loader's `shard` hook for a joined tensor-parallel group (None: no tensor parallelism)."""
+    return None if group is None or group.size == 1 else TensorParallel(group.rank, group.size, group).shard

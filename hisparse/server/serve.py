@@ -1,6 +1,6 @@
 """`hisparse serve`: load a checkpoint, build the KV store and the engine, print the capacity, run uvicorn.
 
-With --dcp-size R > 1 this process is rank 0 of a decode-context-parallel group (hisparse.dcp.serve starts the
+With -tp T > 1 or -dcp D > 1 this process is rank 0 of a parallel group (hisparse.dcp.serve starts the
 followers); if the group breaks, every request in flight fails, /health answers 503, the server shuts down, the
 followers are killed and `serve` exits non-zero naming the failed rank."""
 
@@ -19,11 +19,11 @@ from types import FrameType
 import torch
 import uvicorn
 
-from ..dcp.context import DCPContext
 from ..dcp.group import DCPError, DCPGroup
-from ..dcp.kv import ShardedKV
+from ..dcp.replica import own_store
 from ..dcp.leader import DCPEngine
-from ..dcp.serve import DCPServeConfig, DCPStartError, FollowerRanks, pool_lines, run_follower
+from ..dcp.serve import (DCPStartError, FollowerRanks, ParallelConfig, join_rank, load_rank, rank_lines,
+                         run_follower)
 from ..engine.engine import Engine
 from ..engine.kv_settings import KVSettings
 from ..engine.scheduler import SchedulerConfig
@@ -81,7 +81,7 @@ def capacity_lines(kv: LatentKV, offload: str, max_model_len: int) -> list[str]:
         f"KV cache ({where}) size: {cap:,} tokens",
         f"Maximum concurrency for {max_model_len:,} tokens per request: {cap / max_model_len:.2f}x"]
     if offload == "hisparse":
-        store = kv.inner if isinstance(kv, ShardedKV) else kv     # DCP: per rank
+        store = own_store(kv)     # DCP: per rank
         rows = store.n_slots + store.window + store.sinks
         lines.append(f"Device latent rows per request and layer: {rows:,} (hot buffer {store.n_slots:,} + resident "
                      f"window {store.window:,} + sinks {store.sinks:,}), whatever the context length")
@@ -107,35 +107,42 @@ def speculative_lines(spec: SpeculativeConfig, model: ML4) -> list[str]:
 
 
 def build_engine(model: ML4, kv: LatentKV, tokenizer, max_model_len: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, speculative: SpeculativeConfig | None = None) -> Engine:
+                 max_num_batched_tokens: int, speculative: SpeculativeConfig | None = None,
+                 group: DCPGroup | None = None, tp_size: int = 1) -> Engine:
+    """The engine (rank 0's DCPEngine when `group`, the parallel group, is given)."""
     inner = tokenizer.instruct_tokenizer.tokenizer
     per_seq = 1 + (speculative.num_speculative_tokens if speculative else 0)   # every decode fits, drafts included
     cfg = SchedulerConfig(max_model_len, max_num_seqs, max(max_num_batched_tokens, max_num_seqs * per_seq))
-    engine = DCPEngine if isinstance(kv, ShardedKV) else Engine
-    return engine(model, kv, cfg, eos_id=inner.eos_id, decode=inner.decode, speculative=speculative)
+    kwargs = dict(eos_id=inner.eos_id, decode=inner.decode, speculative=speculative)
+    if group is None:
+        return Engine(model, kv, cfg, **kwargs)
+    return DCPEngine(model, kv, group, cfg, lockstep_drafts=tp_size > 1, **kwargs)
 
 
-def dcp_config(args: argparse.Namespace) -> DCPServeConfig | None:
-    """--dcp-size / --dcp-interleave / --dcp-timeout (None: no DCP)."""
+def parallel_config(args: argparse.Namespace) -> ParallelConfig | None:
+    """-tp / -dcp / --dcp-interleave / --dcp-timeout (None: one rank)."""
     try:
-        cfg = DCPServeConfig(args.dcp_size, args.dcp_interleave, args.dcp_timeout)
+        cfg = ParallelConfig(args.tensor_parallel_size, args.decode_context_parallel_size, args.dcp_interleave,
+                             args.dcp_timeout)
     except ValueError as e:
-        raise SystemExit(f"--{str(e).split(':')[0].replace('_', '-')}: {e}") from None
-    return cfg if cfg.size > 1 else None
+        flag = {"tp_size": "tensor-parallel-size", "dcp_size": "decode-context-parallel-size"}.get(
+            str(e).split(":")[0], str(e).split(":")[0].replace("_", "-"))
+        raise SystemExit(f"--{flag}: {e}") from None
+    return cfg if cfg.world_size > 1 else None
 
 
 def serve(args: argparse.Namespace, model_dir: Path, dtype: torch.dtype, kv_settings: KVSettings) -> None:
     """Run the server until interrupted. The model computes in `dtype` on --device; `kv_settings` (the CLI's KV
-    flags) builds the LatentKV (with --dcp-size > 1 every rank builds its own)."""
+    flags) builds the LatentKV (with several ranks every rank builds its own)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     speculative = speculative_config(args.speculative_config, model_dir)
-    dcp = dcp_config(args)
+    par = parallel_config(args)
     followers = None
-    if dcp is not None and "RANK" not in os.environ:      # under torchrun the ranks exist already
-        followers = FollowerRanks(dcp, model_dir, args.device, dtype, kv_settings, speculative)   # they load meanwhile
+    if par is not None and "RANK" not in os.environ:      # under torchrun the ranks exist already
+        followers = FollowerRanks(par, model_dir, args.device, dtype, kv_settings, speculative)   # they load meanwhile
     engine = None
     try:
-        engine = _serve(args, model_dir, dtype, kv_settings, speculative, dcp, followers)
+        engine = _serve(args, model_dir, dtype, kv_settings, speculative, par, followers)
     except DCPStartError as e:
         raise SystemExit(f"hisparse serve: {e}") from None
     except DCPError as e:    # the start-up exchange failed
@@ -145,27 +152,30 @@ def serve(args: argparse.Namespace, model_dir: Path, dtype: torch.dtype, kv_sett
         if followers is not None:   # after rank 0's stop message they leave on their own; otherwise: killed
             followers.close(grace_s=10.0 if engine is not None and engine.fatal is None else 0.0)
     if engine is not None and engine.fatal is not None:
-        raise SystemExit(f"hisparse serve: stopped because the DCP group failed: {engine.fatal}")
+        raise SystemExit(f"hisparse serve: stopped because the {par.name} group failed: {engine.fatal}")
 
 
 def _serve(args: argparse.Namespace, model_dir: Path, dtype: torch.dtype, kv_settings: KVSettings,
-           speculative: SpeculativeConfig | None, dcp: DCPServeConfig | None,
+           speculative: SpeculativeConfig | None, par: ParallelConfig | None,
            followers: FollowerRanks | None) -> Engine | None:
     """Load, build and run until the HTTP server stops; the engine (None on a torchrun follower rank)."""
     group = None
-    if dcp is not None and followers is None:     # torchrun: join first (this also picks the rank's GPU)
-        group = DCPGroup.from_env(timeout_s=dcp.timeout_s)
-    model = load_model(model_dir, device=args.device, dtype=dtype)
-    kv = kv_settings.build(model.cfg, args.device, dtype)
-    if dcp is not None:
+    if par is not None and followers is None:     # torchrun: join first (this also picks the rank's GPU)
+        group = DCPGroup.from_env(args.device, par.timeout_s)
+        if group.size != par.world_size:
+            raise SystemExit(f"{par.name}: needs {par.world_size} processes, torchrun started {group.size}")
+    rank = group.rank if group is not None else 0
+    if par is not None:
+        model, kv, tp = load_rank(par, rank, model_dir, args.device, dtype, kv_settings)
         group = group or followers.join()
-        if group.size != dcp.size:
-            raise SystemExit(f"--dcp-size {dcp.size}: torchrun started {group.size} processes")
+        kv = join_rank(group, par, tp, kv)
         if group.rank > 0:
-            run_follower(group, model, kv, dcp.interleave, speculative)
+            run_follower(group, model, kv, speculative)
             group.close()
             return None
-        kv = ShardedKV(kv, DCPContext(group, dcp.interleave))
+    else:
+        model = load_model(model_dir, device=args.device, dtype=dtype)
+        kv = kv_settings.build(model.cfg, args.device, dtype)
     tokenizer = load_tokenizer(model_dir)
     cap = kv.token_capacity()
     limit = model.cfg.max_position_embeddings if cap is None else min(model.cfg.max_position_embeddings, cap)
@@ -177,14 +187,14 @@ def _serve(args: argparse.Namespace, model_dir: Path, dtype: torch.dtype, kv_set
         raise SystemExit(f"--max-model-len {max_model_len} does not fit in the KV cache ({cap:,} tokens); "
                          "raise --host-pool-gib or lower --max-model-len")
     engine = build_engine(model, kv, tokenizer, max_model_len, args.max_num_seqs, args.max_num_batched_tokens,
-                          speculative)
+                          speculative, group, par.tp_size if par is not None else 1)
     name = args.served_model_name or model_dir.name
     app = build_app(engine, tokenizer, ServerConfig(name, max_model_len, args.api_key, args.debug_hooks,
                                                     args.max_request_bytes, args.read_timeout))
     lines = capacity_lines(kv, kv_settings.offload, max_model_len)
-    if dcp is not None:
-        engine.leader.gather()                   # the start-up exchange: every rank's pool
-        lines += pool_lines(engine.rank_pools(), kv, followers.pids() if followers is not None else {})
+    if par is not None:
+        ranks = engine.start_up(model)
+        lines += rank_lines(par, ranks, engine.rank_pools(), kv, followers.pids() if followers is not None else {})
         engine.diagnose = followers.diagnose if followers is not None else None
     for line in lines + (speculative_lines(speculative, model) if speculative else []):
         print(line, flush=True)
