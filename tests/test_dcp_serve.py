@@ -91,12 +91,12 @@ def complete_all(server: Server, ps: list[list[int]]) -> list[str]:
 
 
 @contextmanager
-def dcp_server(log: Path, *extra: str, healthy: bool = True, ckpt: Path | None = None
-               ) -> Iterator[tuple[Server, subprocess.Popen]]:
+def dcp_server(log: Path, *extra: str, healthy: bool = True, ckpt: Path | None = None,
+               launcher: tuple[str, ...] = (sys.executable,)) -> Iterator[tuple[Server, subprocess.Popen]]:
     """`hisparse serve` (`ckpt`, default the built-in tiny checkpoint; HiSparse with a small hot buffer) with `extra`
-    flags."""
+    flags, started by `launcher` (python, or torchrun and its flags)."""
     ckpt, port = ckpt or builtin_tiny(), free_port()
-    cmd = [sys.executable, "-m", "hisparse.cli", "serve", "--model", str(ckpt), "--port", str(port), "--api-key", KEY,
+    cmd = [*launcher, "-m", "hisparse.cli", "serve", "--model", str(ckpt), "--port", str(port), "--api-key", KEY,
            "--max-model-len", str(MAX_MODEL_LEN), "--host-pool-gib", str(POOL_GIB), "--hot-buffer-tokens", str(HOT),
            "--resident-window", str(WINDOW), "--device", "cpu", "--dtype", "float64", "--log-level", "warning",
            "--dcp-timeout", str(TIMEOUT), *extra]
@@ -206,6 +206,19 @@ def test_tp_dcp_server_on_fp8_equals_single_rank(tmp_path: Path, seed: int, spec
         group = descendants(proc.pid) | {proc.pid}
     assert proc.returncode == 0 or proc.returncode == -signal.SIGTERM
     assert_all_gone(group)
+
+
+def test_torchrun_tp_server_equals_single_rank(tmp_path: Path, reference) -> None:
+    """torchrun starts the ranks (`torchrun --nproc-per-node 2 -m hisparse.cli serve -tp 2 -dcp 2`): every process
+    joins from the environment and loads its share, rank 0 serves the single-rank greedy completions."""
+    ps, want = reference
+    torchrun = (str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "2", "--master-port",
+                str(free_port()))
+    with dcp_server(tmp_path / "serve.log", "-tp", "2", "-dcp", "2", launcher=torchrun) as (server, proc):
+        assert "TP2 DCP2: 2 rank processes" in server.log.read_text()
+        assert complete_all(server, ps) == want
+        group = descendants(proc.pid) | {proc.pid}
+    assert_all_gone(group, within=30.0)     # torchrun ends its ranks (and itself exits 1 on SIGTERM, by design)
 
 
 @pytest.mark.parametrize("how, flags", [("kill", ("--dcp-size", "2")), ("hang", ("--dcp-size", "2")),

@@ -18,7 +18,7 @@ import torch
 
 from conftest import SEED, tiny_model
 from hisparse.dcp.context import DCPContext
-from hisparse.dcp.group import DCPGroup
+from hisparse.dcp.group import DCPGroup, backend_for
 from hisparse.dcp.kv import ShardedKV
 from hisparse.dcp.launch import launch
 from hisparse.model.kv import ResidentKV
@@ -90,6 +90,22 @@ def test_tp_matches_single_rank(tp_runs, tp: int, dcp: int):
         mine = ranks[r][(tp, dcp)]
         assert all(torch.equal(x, y) for x, y in zip(mine["fp64"]["logits"], got["logits"], strict=True))
         assert mine["fp64"]["misses"] > 0
+
+
+def wrong_device(group: DCPGroup) -> str:
+    """A group whose collectives run on another device than the tensor handed to it refuses the tensor."""
+    other = DCPGroup(group.pg, group.timeout_s, "meta")
+    with pytest.raises(ValueError, match=r"all_reduce for a test tensor: tensor on cpu, the group's collectives run "
+                                         r"on meta"):
+        other.all_reduce(torch.ones(2), "a test tensor")
+    return group.all_reduce(torch.ones(2), "a test tensor").tolist()
+
+
+def test_collectives_check_the_device_and_the_backend_follows_it() -> None:
+    """Every collective checks that its tensor lives on the group's device (so a CPU tensor never reaches NCCL;
+    every TP/DCP test here runs through that check), and the backend follows the device, not the machine."""
+    assert launch(wrong_device, 2, timeout_s=30.0, deadline_s=120.0) == [[2.0, 2.0]] * 2
+    assert backend_for("cuda:1") == "nccl" and backend_for("cpu") == backend_for(torch.device("cpu")) == "gloo"
 
 
 @pytest.mark.parametrize("tp", (2, 4))
