@@ -17,14 +17,17 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from vllm.distributed import get_tp_group
 from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention import Attention
 
+from ..dcp.group import DCPGroup
 from ..model.batch import ForwardTrace
 from ..model.config import ModelConfig
 from ..model.ml4 import ML4
 from ..model.weights import load_model
+from ..parallel.tp import shard_for
 from .connector import HiSparseConnector
 
 SLOT_HEAD_SIZE = 32   # smallest head size vLLM's CPU attention backend accepts; the slots hold no ML4 data
@@ -68,6 +71,11 @@ class HiSparseML4ForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load with hisparse's own loader (Mistral-native names, FP8 linears kept FP8, shape checks), not vLLM's
-        tensor stream, so vLLM and hisparse run the very same weights."""
-        self.ml4 = load_model(self.model_dir, device=self.device, dtype=self.ml4.dtype)
+        tensor stream, so vLLM and hisparse run the very same weights. Under `--tensor-parallel-size` each worker
+        loads its share, sharded as `hisparse serve -tp` shards it, its collectives in vLLM's TP group."""
+        tp = get_tp_group()
+        shard = None
+        if tp.world_size > 1:
+            shard = shard_for(DCPGroup(tp.device_group, device=self.device))
+        self.ml4 = load_model(self.model_dir, device=self.device, dtype=self.ml4.dtype, shard=shard)
         return {name for name, _ in self.named_parameters()}
