@@ -113,6 +113,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     if not prompt:
         raise SystemExit("prompt: empty")
     kv = settings.build(model.cfg, args.device, model.dtype)
+    model.use_kernels(settings.kernel_path(args.device))
     gen = greedy_generate(model, kv, prompt, args.max_tokens, chunk=args.chunk)
     if tok is None and (ckpt / "tekken.json").exists():
         from .model.tokenizer import load_tokenizer

@@ -17,7 +17,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 from .gpu_working_set.kernels import backup_triton, miss_path_triton
-from .model.kernels import indexer_triton, sparse_mla_triton
+from .model.kernels import indexer_triton, moe_triton, sparse_mla_triton
 
 SHARED_LIMIT = {90: 232448}   # shared memory one block may use, by target (sm_90: 227 KiB)
 
@@ -26,7 +26,11 @@ SOURCES = {"miss_path": miss_path_triton.aot_source,
            "sparse_mla_fp8_ds_mla": lambda: sparse_mla_triton.aot_source("fp8_ds_mla"),
            "sparse_mla_bf16": lambda: sparse_mla_triton.aot_source("bf16"),
            "index_scores": indexer_triton.aot_source,
-           "index_scores_fp8": lambda: indexer_triton.aot_source(fp8=True)}
+           "index_scores_fp8": lambda: indexer_triton.aot_source(fp8=True),
+           "moe_gate_up_fp8": lambda: moe_triton.aot_sources(fp8=True)["gate_up"],
+           "moe_down_fp8": lambda: moe_triton.aot_sources(fp8=True)["down"],
+           "moe_gate_up_bf16": lambda: moe_triton.aot_sources(fp8=False)["gate_up"],
+           "moe_down_bf16": lambda: moe_triton.aot_sources(fp8=False)["down"]}
 # compile options a kernel is launched with (the indexer's rounding contract forbids fused multiply-adds)
 OPTIONS = {"index_scores": {"enable_fp_fusion": False}, "index_scores_fp8": {"enable_fp_fusion": False}}
 

@@ -74,6 +74,7 @@ def load_rank(cfg: ParallelConfig, rank: int, model_dir: Path, device: str, dtyp
     """This rank's share of the model and its own KV store (before joining: sharding needs only the rank)."""
     tp = TensorParallel(rank, cfg.tp_size) if cfg.tp_size > 1 else None
     model = load_model(model_dir, device=device, dtype=dtype, shard=tp.shard if tp is not None else None)
+    model.use_kernels(kv_settings.kernel_path(device))
     return model, kv_settings.build(model.cfg, device, dtype), tp
 
 

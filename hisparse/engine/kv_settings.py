@@ -70,7 +70,8 @@ class KVSettings:
     resident_window: int | None = None     # newest tokens per request kept on the device; None: 64
     page_tokens: int = 64                  # tokens per page: the allocation unit of the host pool (or of the
                                            # device store with offload 'none')
-    kernels: str = "auto"                  # 'triton': miss path, indexer scoring and sparse MLA as Triton kernels;
+    kernels: str = "auto"                  # 'triton': miss path, indexer scoring, sparse MLA and the MoE's routed
+                                           # experts as Triton kernels;
                                            # 'torch': torch ops (+ the C++ CPU kernels); 'auto': triton on CUDA
     index_cache: str = "fp32"              # indexer keys on the device: 'fp8' 132-B records (spec §4, scored
                                            # dequantised), 'fp32' exact keys in the compute dtype (reference)
@@ -146,8 +147,8 @@ class KVSettings:
                                                    f"(default: {DEFAULT_WINDOW})"),
             "page_tokens": dict(type=int, help="tokens per page of the host pool (of the device store with "
                                                "--kv-offload none) (default: %(default)s)"),
-            "kernels": dict(choices=KERNELS, help="miss path, indexer scoring and sparse attention as Triton "
-                                                  "kernels or torch ops; auto: triton on CUDA, torch elsewhere "
+            "kernels": dict(choices=KERNELS, help="miss path, indexer scoring, sparse attention and the routed "
+                                                  "experts as Triton kernels or torch ops; auto: triton on CUDA, torch elsewhere "
                                                   "(default: %(default)s)"),
             "index_cache": dict(choices=INDEX_CACHES, help="indexer keys on the device: fp8 = 132-B records "
                                                            "(128 x e4m3 + a power-of-two fp32 scale), fp32 = exact "

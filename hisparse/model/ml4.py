@@ -68,6 +68,13 @@ class ML4(nn.Module):
     def device(self) -> torch.device:
         return self.tok_embeddings.weight.device
 
+    def use_kernels(self, path: str) -> None:
+        """Where the model's own kernels run ("triton" | "torch": the --kernels path, see KVSettings.kernel_path):
+        the routed experts' grouped GEMMs."""
+        for block in self.layers:
+            if block.spec.ffn != "dense":
+                block.moe.kernels = path
+
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm, output head and soft cap: h [n, D] -> logits [n, V] (fp32, or fp64 in tests)."""
         x = self.norm(h)

@@ -176,6 +176,7 @@ def _serve(args: argparse.Namespace, model_dir: Path, dtype: torch.dtype, kv_set
     else:
         model = load_model(model_dir, device=args.device, dtype=dtype)
         kv = kv_settings.build(model.cfg, args.device, dtype)
+        model.use_kernels(kv_settings.kernel_path(args.device))
     tokenizer = load_tokenizer(model_dir)
     cap = kv.token_capacity()
     limit = model.cfg.max_position_embeddings if cap is None else min(model.cfg.max_position_embeddings, cap)
