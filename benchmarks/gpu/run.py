@@ -1,0 +1,165 @@
+"""The GPU figures of the HiSparse data path in one run (about 10 minutes on one GPU), as one JSON:
+
+  P2  miss path: bytes per second the Triton miss-path kernel moves host -> device (UVA reads of the pinned pool)
+      over a plain pinned -> device memcpy of the same bytes;
+  P3  decode step time at batch 1, HiSparse / all-resident (the cost of offloading one request);
+  P5  decode tokens/s at a fixed device budget at saturation, HiSparse / all-resident (benchmarks/throughput);
+  P6  share of the torch path's side-stream miss copies (cudaMemcpy host -> device) that overlaps kernels on
+      other streams (copies hidden behind compute).
+
+P3 and P5 come from `benchmarks/throughput/run.py` on the device; P2 and P6 from a torch.profiler trace of
+HiSparse decode steps (kernels and copies with their streams, from the trace's JSON). Without CUDA, `--quick`
+runs P3 and P5 on the CPU at small sizes (a smoke run of the script) and reports P2 and P6 as needing CUDA.
+
+    benchmarks/gpu/run.sh [--out benchmarks/results/gpu]           # on a machine with a GPU
+    python -m benchmarks.gpu.run --quick --device cpu --out DIR     # the CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from hisparse.engine.engine import Engine
+from hisparse.engine.kv_settings import KVSettings
+from hisparse.engine.request import SamplingParams
+from hisparse.engine.scheduler import SchedulerConfig
+from hisparse.model.config import preset_params
+from hisparse.model.tiny import random_model
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def throughput(device: str, quick: bool, out: Path) -> dict:
+    """P3 and P5 from one run of benchmarks/throughput/run.py on `device`."""
+    args = (["--preset", "tiny", "--prompt-len", "256", "--concurrency", "1,2,4", "--decode-steps", "2"] if quick
+            else ["--preset", "small", "--prompt-len", "4096", "--concurrency", "1,4,16,32,64", "--decode-steps", "8"])
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "throughput" / "run.py"), *args, "--device", device,
+           "--out", str(out / "throughput")]
+    subprocess.run(cmd, check=True, cwd=ROOT)
+    r = json.loads((out / "throughput" / "throughput.json").read_text())
+    step = {(row["mode"], row["concurrency"]): row["step_ms"] for row in r["rows"]}
+    return {"P3_step_ratio_batch1": step[("hisparse", 1)] / step[("none", 1)],
+            "P3_step_ms_batch1": {"hisparse": step[("hisparse", 1)], "none": step[("none", 1)]},
+            "P5_tokens_per_s_ratio": r["ratio"], "P5_at_concurrency": r["ratio_at"],
+            "P5_max_concurrent": r["max_concurrent"], "throughput_command": " ".join(cmd)}
+
+
+def decode_trace(kernels: str, device: str, prompt_len: int, steps: int, trace: Path) -> dict:
+    """HiSparse decode steps of 4 requests under torch.profiler; the trace's JSON at `trace`, the bytes copied."""
+    model = random_model(preset_params("small"), 0).to(device)
+    settings = KVSettings(host_pool_gib=4.0, hot_buffer_tokens=256, resident_window=64, kernels=kernels)
+    kv = settings.build(model.cfg, device)
+    model.use_kernels(settings.kernel_path(device))
+    eng = Engine(model, kv, SchedulerConfig(max_model_len=prompt_len + 64, max_num_seqs=4,
+                                            max_num_batched_tokens=1024))
+    g = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        eng.add_request(torch.randint(0, model.cfg.vocab_size, (prompt_len,), generator=g).tolist(),
+                        SamplingParams(max_tokens=64, temperature=0.0))
+    while not ((st := eng.step()).prompt_tokens == 0 and st.generation_tokens):   # prefill every request
+        pass
+    eng.step()                                           # warm: every request decoding
+    before = kv.stats.snapshot()
+    cuda = torch.device(device).type == "cuda"
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(steps):
+            eng.step()
+        if cuda:
+            torch.cuda.synchronize()
+    prof.export_chrome_trace(str(trace))
+    return {"h2d_bytes": kv.stats.host_to_device_bytes - before.host_to_device_bytes,
+            "misses": kv.stats.misses - before.misses}
+
+
+def trace_events(trace: Path) -> list[dict]:
+    return [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
+
+
+def memcpy_gbps(nbytes: int, device: str) -> float:
+    """GB/s of one pinned host -> device copy of nbytes (best of 5)."""
+    src = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty_like(src, device=device)
+    best = float("inf")
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return src.numel() / best / 1e9
+
+
+def overlap_share(events: list[dict]) -> dict:
+    """Of the host -> device memcpy time, the share during which a kernel runs on another stream."""
+    copies = [e for e in events if e.get("cat") == "gpu_memcpy" and "HtoD" in e["name"]]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    total = hidden = 0.0
+    for c in copies:
+        a, b = c["ts"], c["ts"] + c["dur"]
+        spans = sorted((max(a, k["ts"]), min(b, k["ts"] + k["dur"])) for k in kernels
+                       if k["args"].get("stream") != c["args"].get("stream") and k["ts"] < b and k["ts"] + k["dur"] > a)
+        covered, end = 0.0, a
+        for s, t in spans:                                  # union of the overlapping kernel intervals
+            s = max(s, end)
+            if t > s:
+                covered, end = covered + t - s, t
+        total, hidden = total + (b - a), hidden + covered
+    return {"copy_us": total, "hidden_us": hidden, "share": hidden / total if total else None,
+            "copies": len(copies)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--quick", action="store_true", help="small sizes (the CPU smoke run)")
+    ap.add_argument("--prompt-len", type=int, default=16384, help="P2/P6: prompt tokens per request")
+    ap.add_argument("--steps", type=int, default=8, help="P2/P6: profiled decode steps")
+    ap.add_argument("--out", default="benchmarks/results/gpu")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    result = {"benchmark": "GPU figures P2 P3 P5 P6", "device": args.device,
+              "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
+              "machine": platform.processor() or platform.machine(), "quick": args.quick}
+    result.update(throughput(args.device, args.quick, out))
+    if args.device.startswith("cuda"):
+        with tempfile.TemporaryDirectory() as tmp:
+            triton_trace, torch_trace = Path(tmp) / "triton.json", Path(tmp) / "torch.json"
+            moved = decode_trace("triton", args.device, args.prompt_len, args.steps, triton_trace)
+            kernel_s = sum(e["dur"] for e in trace_events(triton_trace)
+                           if e.get("cat") == "kernel" and "_miss_path_kernel" in e["name"]) / 1e6
+            gbps = moved["h2d_bytes"] / kernel_s / 1e9 if kernel_s else None
+            per_step = moved["h2d_bytes"] // max(1, args.steps)
+            base = memcpy_gbps(per_step, args.device)
+            result["P2_miss_path_over_memcpy"] = gbps / base if gbps else None
+            result["P2_detail"] = {"miss_path_gbps": gbps, "memcpy_gbps": base, **moved,
+                                   "miss_path_kernel_s": kernel_s}
+            decode_trace("torch", args.device, args.prompt_len, args.steps, torch_trace)
+            ov = overlap_share(trace_events(torch_trace))
+            result["P6_hidden_copy_share"], result["P6_detail"] = ov["share"], ov
+    else:   # the trace path runs (torch kernels, CPU events only), the figures need a GPU
+        with tempfile.TemporaryDirectory() as tmp:
+            moved = decode_trace("torch", args.device, 512 if args.quick else args.prompt_len, 2, Path(tmp) / "t.json")
+            result["trace_smoke"] = {**moved, "events": len(trace_events(Path(tmp) / "t.json"))}
+        result["P2_miss_path_over_memcpy"] = result["P6_hidden_copy_share"] = None
+        result["P2_P6_note"] = "need CUDA (a GPU trace of the miss-path kernel and of side-stream copies)"
+    result["wall_s"] = round(time.perf_counter() - t0, 1)
+    (out / "gpu.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if not k.endswith(("detail", "command"))}, indent=1))
+    print(f"wrote {out / 'gpu.json'}")
+
+
+if __name__ == "__main__":
+    main()
