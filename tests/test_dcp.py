@@ -256,3 +256,31 @@ def test_sharding_math():
         Sharding(2, 0, 0)
     with pytest.raises(ValueError, match="dcp rank"):
         Sharding(2, 1, 2)
+
+
+def triton_rank(group: DCPGroup, seed: int) -> dict:
+    """Both kernel paths on this rank's shard: a 60-token prefill and 4 decode steps, selections and logits."""
+    model = tiny_model(seed, torch.float32, sharp=False)
+    tokens = torch.randperm(model.cfg.vocab_size, generator=torch.Generator().manual_seed(seed))[:64]
+    out = {}
+    for kernels in ("torch", "triton"):
+        kv = ShardedKV(HiSparseKV(model.cfg, "fp8_ds_mla", dtype=model.dtype, host_pool_gib=0.002,
+                                  hot_buffer_tokens=4, resident_window=4, sink_tokens=2, page_tokens=8,
+                                  kernels=kernels), DCPContext(group, 1))
+        runs = []
+        for start, n in ((0, 60), (60, 1), (61, 1), (62, 1), (63, 1)):
+            trace = ForwardTrace()
+            logits = model(tokens[start:start + n], [Segment(0, start, n)], kv, trace=trace)
+            runs.append((logits, trace.selections))
+        out[kernels] = runs
+    return out
+
+
+def test_dcp_with_triton_kernels_selects_as_the_torch_path(seed: int) -> None:
+    """Under DCP each rank's local top-k (candidates with their scores) comes from the Triton indexer when the
+    store's kernels are Triton (interpreted here): the merged selections equal the torch path's, logits agree."""
+    ranks = launch(triton_rank, 2, seed, threads=1, timeout_s=60.0, deadline_s=600.0)
+    for out in ranks:
+        for (lt, st), (lg, sg) in zip(out["torch"], out["triton"], strict=True):
+            assert sorted(st) == sorted(sg) and all(torch.equal(a, b) for l in st for a, b in zip(st[l], sg[l]))
+            assert float((lt - lg).abs().max() / lt.abs().max()) < 1e-5

@@ -35,12 +35,13 @@ SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "_unique2", "uniq
 HOST_READS = ("tolist", "item", "numpy", "__int__", "__bool__", "__float__", "__index__")
 PACKAGE = os.path.dirname(hisparse.__file__) + os.sep
 
-# (file, function) -> why it reads the host. The MoE reads each expert's token count to slice its tokens (a
-# grouped GEMM over stacked experts removes it); the resolver reads the number of misses of an index group to
-# size their copies (once per group and step, whatever the batch).
+# (file, function) -> why it reads the host. The MoE's torch path reads each expert's token count to slice its
+# tokens (its Triton path, grouped GEMMs over stacked experts, has no host read: test_triton_moe audits it); the
+# resolver reads the number of misses of an index group to size their copies (once per group and step, whatever
+# the batch).
 KNOWN = {
-    ResidentKV: {("model/moe.py", "forward")},
-    HiSparseKV: {("model/moe.py", "forward"), ("gpu_working_set/resolver.py", "resolve_torch")},
+    ResidentKV: {("model/moe.py", "per_expert")},
+    HiSparseKV: {("model/moe.py", "per_expert"), ("gpu_working_set/resolver.py", "resolve_torch")},
 }
 
 

@@ -55,10 +55,11 @@ def test_scores_bit_identical_and_same_selection(dtype: torch.dtype, ties: bool,
     d = lambda t: t.to(DEV)    # noqa: E731
     got = paged_scores(d(q), d(wr), d(keys), d(table), P, d(seg), d(n_visible), L, block_s=8).cpu()
     assert torch.equal(got, ref)
-    for k in (4, 30):
-        cols, _ = paged_topk(Topk(k), q, wr, keys, table, P, seg, n_visible, L)
-        assert torch.equal(paged_topk_triton(d(q), d(wr), d(keys), d(table), P, d(seg), d(n_visible), L, k).cpu(),
-                           cols)
+    for k in (4, 30):   # the selections, and with_scores (DCP's local candidates) their score bits
+        cols, scores = paged_topk(Topk(k), q, wr, keys, table, P, seg, n_visible, L, with_scores=True)
+        got, got_scores = paged_topk_triton(d(q), d(wr), d(keys), d(table), P, d(seg), d(n_visible), L, k,
+                                            with_scores=True)
+        assert torch.equal(got.cpu(), cols) and torch.equal(got_scores.cpu(), scores)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -81,7 +82,7 @@ def test_fp8_records_score_as_their_dequantised_keys(dtype: torch.dtype, seed: i
                                              block_s=8).cpu())
     for k in (4, 30):
         cols, _ = paged_topk(Topk(k), q, wr, deq, table, P, seg, n_visible, L)
-        assert torch.equal(paged_topk_triton(d(q), d(wr), d(rec), d(table), P, d(seg), d(n_visible), L, k).cpu(),
-                           cols)
+        assert torch.equal(paged_topk_triton(d(q), d(wr), d(rec), d(table), P, d(seg), d(n_visible), L,
+                                             k)[0].cpu(), cols)
     with pytest.raises(ValueError, match="fp8 key records"):
         paged_scores(d(q), d(wr), d(rec[:, :-1]), d(table), P, d(seg), d(n_visible), L)

@@ -38,6 +38,18 @@ def test_align_groups_every_local_pair_once(seed: int, n: int, first: int, n_loc
     assert used == sorted(used) and set(used) == {int(flat[p]) - first for p in local}
 
 
+def test_align_reads_nothing_on_the_host(seed: int) -> None:
+    """The grouping runs on the device without a host read (no bincount, nonzero, item, ...), as the layer loop
+    requires; audited as test_host_sync audits the decode path."""
+    from test_host_sync import SyncAudit
+    ids = torch.stack([torch.randperm(8, generator=torch.Generator().manual_seed(seed + i))[:2] for i in range(9)])
+    audit = SyncAudit()
+    audit.active = True
+    with audit, audit.host_reads():
+        align(ids, 1, 6)
+    assert not audit.sites, audit.sites
+
+
 def moe_layer(seed: int, fp8: bool, dim: int = 64, hidden: int = 48) -> MoE:
     model = tiny_model(seed, torch.float32, sharp=False, dim=dim, moe={"expert_hidden_dim": hidden})
     moe = next(b.moe for b in model.layers if b.spec.ffn != "dense")

@@ -19,7 +19,7 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from ..model.batch import Segment
-from ..model.indexer import Indexer, paged_topk
+from ..model.indexer import Indexer
 from ..model.kv import LatentKV, RowSource
 from .context import DCPContext
 
@@ -55,9 +55,9 @@ class ShardedKV(LatentKV):
                positions: torch.Tensor) -> torch.Tensor:
         """Sel(t) [n, k]: this rank's exact local top-k over its own keys (key j is visible to t iff
         j < count_owned(p_t + 1); the scores are the single-rank ones bit for bit), merged across ranks."""
-        sh, t = self.sharding, self.inner.tables
-        cols, scores = paged_topk(indexer, q, w, self.index_keys.data[layer], t.pages, self.page_tokens, seg,
-                                  sh.count_owned(positions + 1), t.max_end, with_scores=True)
+        sh = self.sharding
+        cols, scores = self.inner.topk_over_keys(layer, indexer, q, w, seg, sh.count_owned(positions + 1),
+                                                 with_scores=True)
         where = sh.global_of(cols.clamp(min=0)).masked_fill(cols < 0, -1)
         return self.dcp.merge_topk(scores, where, indexer.topk, layer)
 
@@ -83,7 +83,7 @@ class ShardedKV(LatentKV):
         for seg in segments:
             a, b = self.sharding.local_range(seg.start, seg.start + seg.length)
             local.append(Segment(seg.req, a, b - a))
-        self.inner.begin_step(local)
+        self.inner.begin_step(local, [seg.length for seg in segments])   # every segment's rows query here
 
     def end_step(self) -> None:
         self.inner.end_step()

@@ -81,8 +81,8 @@ class HiSparseKV(LatentKV):
         return self.pool.token_capacity
 
     # ---- step lifecycle ----
-    def begin_step(self, segments: Sequence) -> None:
-        super().begin_step(segments)   # pages first: an exhausted pool fails before any row of the step is written
+    def begin_step(self, segments: Sequence, query_rows: Sequence[int] | None = None) -> None:
+        super().begin_step(segments, query_rows)   # pages first: an exhausted pool fails before any row of the step is written
         for seg in segments:
             if seg.req not in self.slot_of:
                 self.slot_of[seg.req] = self.free_slots.pop() if self.free_slots else len(self.slot_of)
@@ -101,7 +101,7 @@ class HiSparseKV(LatentKV):
         lengths = torch.tensor([s.length for s in segments], dtype=torch.long)
         self.step_row0 = (torch.cumsum(lengths, 0) - lengths).to(self.device)
         self.step_host_rows = paged_rows(self.tables.host_pages, seg, positions, self.page_tokens)
-        self.max_rows = max((s.length for s in segments), default=0)
+        self.max_rows = max(query_rows if query_rows is not None else (s.length for s in segments), default=0)
         if self.kernels == "triton":      # the backup kernel addresses the pool from the device
             self.step_pool_rows = self.step_host_rows.to(self.device)
         self.step += 1

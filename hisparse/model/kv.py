@@ -125,9 +125,10 @@ class LatentKV(ABC):
         return self.cfg.layers[layer].kv_source
 
     # ---- step lifecycle ----
-    def begin_step(self, segments: Sequence) -> None:
+    def begin_step(self, segments: Sequence, query_rows: Sequence[int] | None = None) -> None:
         """Called once before each forward with its segments (one per request): allocates their pages (so running
-        out fails before any row is written) and builds the step's device tables."""
+        out fails before any row is written) and builds the step's device tables. query_rows: the query rows of
+        each segment when they differ from the rows it stores (a DCP shard stores only its own positions)."""
         for seg in segments:
             self.pages.ensure(seg.req, seg.start + seg.length)
         self.index_keys.fit(self.pages.high_water)
@@ -149,13 +150,19 @@ class LatentKV(ABC):
                positions: torch.Tensor) -> torch.Tensor:
         """Top-k positions [n, k] (ascending, -1 padded) of query rows q [n, HI, dI], w [n, HI] at `positions`
         of segments `seg`, over each row's own request's keys at positions <= its own."""
+        return self.topk_over_keys(layer, indexer, q, w, seg, positions + 1)[0]
+
+    def topk_over_keys(self, layer: int, indexer: Indexer, q: torch.Tensor, w: torch.Tensor, seg: torch.Tensor,
+                       n_visible: torch.Tensor, with_scores: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Exact top-k of each query row over its request's stored keys 0 .. n_visible - 1 (Triton or torch, as
+        `kernels`): key indices [n, k] ascending, -1 padded, and with_scores their scores (-inf padded)."""
         keys = self.index_keys.data[layer]   # the stored keys: every scorer decodes fp8 records itself
         if self.kernels == "triton":
             from .kernels.indexer_triton import paged_topk_triton
             return paged_topk_triton(q, indexer.head_weights(w), keys, self.tables.pages, self.page_tokens, seg,
-                                     positions + 1, self.tables.max_end, indexer.topk)
-        return paged_topk(indexer, q, w, keys, self.tables.pages, self.page_tokens, seg, positions + 1,
-                          self.tables.max_end)[0]
+                                     n_visible, self.tables.max_end, indexer.topk, with_scores)
+        return paged_topk(indexer, q, w, keys, self.tables.pages, self.page_tokens, seg, n_visible,
+                          self.tables.max_end, with_scores)
 
     @abstractmethod
     def gather(self, layer: int, seg: torch.Tensor, sel: torch.Tensor) -> RowSource:
@@ -254,8 +261,8 @@ class ResidentKV(LatentKV):
     def token_capacity(self) -> int | None:
         return self.budget_tokens
 
-    def begin_step(self, segments: Sequence) -> None:
-        super().begin_step(segments)
+    def begin_step(self, segments: Sequence, query_rows: Sequence[int] | None = None) -> None:
+        super().begin_step(segments, query_rows)
         self.rows.fit(self.pages.high_water)
 
     def write(self, layer: int, seg: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> None:

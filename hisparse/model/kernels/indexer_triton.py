@@ -85,11 +85,15 @@ def paged_scores(q: torch.Tensor, wr: torch.Tensor, keys: torch.Tensor, table: t
 
 
 def paged_topk_triton(q: torch.Tensor, wr: torch.Tensor, keys: torch.Tensor, table: torch.Tensor,
-                      page_tokens: int, seg: torch.Tensor, n_visible: torch.Tensor, max_visible: int, k: int
-                      ) -> torch.Tensor:
-    """Exact top-k [n, k] (positions ascending, -1 padded) of `paged_scores`: `indexer.paged_topk`'s selections."""
-    cols = select_topk(paged_scores(q, wr, keys, table, page_tokens, seg, n_visible, max_visible), k)
-    return torch.nn.functional.pad(cols, (0, k - cols.shape[1]), value=-1)
+                      page_tokens: int, seg: torch.Tensor, n_visible: torch.Tensor, max_visible: int, k: int,
+                      with_scores: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Exact top-k (positions ascending, -1 padded) of `paged_scores`, as `indexer.paged_topk` returns it: cols
+    [n, k] and with_scores their scores [n, k] (-inf padded)."""
+    scores = paged_scores(q, wr, keys, table, page_tokens, seg, n_visible, max_visible)          # [n, L]
+    cols = torch.nn.functional.pad(select_topk(scores, k), (0, max(0, k - min(k, scores.shape[1]))), value=-1)
+    if not with_scores:
+        return cols, None
+    return cols, scores.gather(1, cols.clamp(min=0)).masked_fill(cols < 0, float("-inf"))
 
 
 def aot_source(heads: int = 64, head_dim: int = 128, block_s: int = 128, fp8: bool = False

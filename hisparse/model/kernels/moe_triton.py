@@ -33,7 +33,8 @@ def align(ids: torch.Tensor, first: int, n_local: int, block_m: int = BLOCK_M) -
     p_max = -(-(P + n_local * (block_m - 1)) // block_m) * block_m
     local = flat - first
     key = torch.where((local >= 0) & (local < n_local), local, n_local)          # n_local: dropped
-    counts = torch.bincount(key, minlength=n_local + 1)                           # [n_local + 1]
+    counts = torch.zeros(n_local + 1, dtype=torch.long, device=ids.device).scatter_add_(
+        0, key, torch.ones_like(key))                                             # [n_local + 1] (bincount syncs)
     padded = (counts + block_m - 1) // block_m * block_m
     padded[n_local] = 0
     ends = torch.cumsum(padded, 0)                                                # group ends, padded
