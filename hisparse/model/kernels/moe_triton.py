@@ -64,16 +64,21 @@ def _load_w(w_ptr, s_ptr, e, n, kk, OUT, IN, NB1, nm, km, FP8: tl.constexpr, B0:
 
 
 @triton.jit
+def _block(pairs_ptr, b, pn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Block b's padded rows m, their pairs (-1: padding) and the output columns n of column tile pn."""
+    m = b * BLOCK_M + tl.arange(0, BLOCK_M)
+    return m, tl.load(pairs_ptr + m), pn * BLOCK_N + tl.arange(0, BLOCK_N)
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, pairs_ptr, bexp_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, inter_ptr, D, HID, TOPK,
                     NB1, FP8: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     b, pn = tl.program_id(0), tl.program_id(1)
     e = tl.load(bexp_ptr + b)
     if e >= 0:
-        m = b * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(pairs_ptr + m)
+        m, pair, n = _block(pairs_ptr, b, pn, BLOCK_M, BLOCK_N)
         tok = tl.where(pair >= 0, pair // TOPK, 0)
-        n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
         nm = n < HID
         a1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         a3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -97,10 +102,8 @@ def _down_kernel(inter_ptr, pairs_ptr, bexp_ptr, gate_ptr, w2_ptr, s2_ptr, out_p
     b, pn = tl.program_id(0), tl.program_id(1)
     e = tl.load(bexp_ptr + b)
     if e >= 0:
-        m = b * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(pairs_ptr + m)
+        m, pair, n = _block(pairs_ptr, b, pn, BLOCK_M, BLOCK_N)
         valid = pair >= 0
-        n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
         nm = n < D
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, HID, BLOCK_K):
