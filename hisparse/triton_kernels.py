@@ -17,7 +17,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 from .gpu_working_set.kernels import backup_triton, miss_path_triton
-from .model.kernels import indexer_triton, moe_triton, sparse_mla_triton
+from .model.kernels import indexer_triton, moe_triton, sparse_mla_triton, topk_triton
 
 SHARED_LIMIT = {90: 232448}   # shared memory one block may use, by target (sm_90: 227 KiB)
 
@@ -27,6 +27,8 @@ SOURCES = {"miss_path": miss_path_triton.aot_source,
            "sparse_mla_bf16": lambda: sparse_mla_triton.aot_source("bf16"),
            "index_scores": indexer_triton.aot_source,
            "index_scores_fp8": lambda: indexer_triton.aot_source(fp8=True),
+           "topk_fp32": lambda: topk_triton.aot_source(32),
+           "topk_fp64": lambda: topk_triton.aot_source(64),
            "moe_gate_up_fp8": lambda: moe_triton.aot_sources(fp8=True)["gate_up"],
            "moe_down_fp8": lambda: moe_triton.aot_sources(fp8=True)["down"],
            "moe_gate_up_bf16": lambda: moe_triton.aot_sources(fp8=False)["gate_up"],

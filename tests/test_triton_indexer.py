@@ -86,3 +86,23 @@ def test_fp8_records_score_as_their_dequantised_keys(dtype: torch.dtype, seed: i
                                              k)[0].cpu(), cols)
     with pytest.raises(ValueError, match="fp8 key records"):
         paged_scores(d(q), d(wr), d(rec[:, :-1]), d(table), P, d(seg), d(n_visible), L)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("L, k", [(1, 1), (5, 8), (37, 8), (128, 128), (300, 16), (260, 64)])
+def test_radix_topk_is_select_topk(dtype: torch.dtype, L: int, k: int, seed: int) -> None:
+    """The Triton radix select against the stable-sort top-k: random rows, rows of ties (equal scores, +0.0 and
+    -0.0, rounded values), rows with few or no visible keys, L below, at and above the block and k."""
+    from hisparse.model.indexer import select_topk
+    from hisparse.model.kernels.topk_triton import topk_rows
+    g = torch.Generator().manual_seed(seed)
+    s = torch.randn(7, L, generator=g, dtype=dtype) * 10 ** torch.randint(-3, 4, (7, 1), generator=g).to(dtype)
+    s[0, ::3] = 0.5
+    s[1] = 0.0
+    s[1, ::2] = -0.0
+    s[2, L // 2:] = float("-inf")
+    s[3] = float("-inf")
+    s[4] = torch.round(s[4] * 2) / 2
+    s[5, 1:] = s[5, 0]
+    want = torch.nn.functional.pad(select_topk(s, k), (0, k - min(k, L)), value=-1)
+    assert torch.equal(topk_rows(s.to(DEV), k).cpu(), want)

@@ -1,7 +1,8 @@
 """Indexer scoring for decode in Triton: every query row's scores over its own request's keys in the paged key
 store, with the rounding of `indexer.index_scores` (every product and sum rounded on its own, d then h summed
-left to right, no fused multiply-add), so the exact top-k that follows (`indexer.select_topk`: score desc,
-position asc) selects what the torch path and the CPU kernel select, ties included.
+left to right, no fused multiply-add), so the exact top-k that follows (`topk_triton.topk_rows`, the rule of
+`indexer.select_topk`: score desc, position asc) selects what the torch path and the CPU kernel select, ties
+included.
 
 One program per (query row, block of key positions); keys are read through the page table, no [S, L, dI]
 gather. Scores are in the queries' dtype; keys past a row's visible count score -inf. Keys are plain [rows, dI]
@@ -16,8 +17,8 @@ import triton
 import triton.language as tl
 
 from ...gpu_working_set.kernels.triton_support import require
-from ..indexer import select_topk
 from .sparse_mla_triton import _e4m3_to_f32
+from .topk_triton import topk_rows
 
 _NEG_INF = tl.constexpr(float("-inf"))
 
@@ -90,7 +91,7 @@ def paged_topk_triton(q: torch.Tensor, wr: torch.Tensor, keys: torch.Tensor, tab
     """Exact top-k (positions ascending, -1 padded) of `paged_scores`, as `indexer.paged_topk` returns it: cols
     [n, k] and with_scores their scores [n, k] (-inf padded)."""
     scores = paged_scores(q, wr, keys, table, page_tokens, seg, n_visible, max_visible)          # [n, L]
-    cols = torch.nn.functional.pad(select_topk(scores, k), (0, max(0, k - min(k, scores.shape[1]))), value=-1)
+    cols = topk_rows(scores, k)
     if not with_scores:
         return cols, None
     return cols, scores.gather(1, cols.clamp(min=0)).masked_fill(cols < 0, float("-inf"))
