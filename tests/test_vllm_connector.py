@@ -125,11 +125,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_cmd(model: Path, port: int, extra: dict) -> list[str]:
+def serve_cmd(model: Path, port: int, extra: dict, dtype: str = "float32", eager: bool = True) -> list[str]:
     kvt = {"kv_connector": "HiSparseConnector", "kv_connector_module_path": "hisparse.connector",
            "kv_role": "kv_both", "kv_connector_extra_config": extra}
-    return [str(VENV / "bin" / "vllm"), "serve", str(model), "--port", str(port), "--enforce-eager",
-            "--dtype", "float32", "--max-model-len", "4096", "--kv-transfer-config", json.dumps(kvt)]
+    return [str(VENV / "bin" / "vllm"), "serve", str(model), "--port", str(port), *(["--enforce-eager"] * eager),
+            "--dtype", dtype, "--max-model-len", "4096", "--kv-transfer-config", json.dumps(kvt)]
 
 
 def serve_env(tmp: Path) -> dict[str, str]:
@@ -143,11 +143,11 @@ def tail(path: Path, n: int = 60) -> str:
 
 
 class Server:
-    def __init__(self, model: Path, tmp: Path, extra: dict):
+    def __init__(self, model: Path, tmp: Path, extra: dict, dtype: str = "float32", eager: bool = True):
         vllm_python()
         self.port, self.log = free_port(), tmp / "vllm-serve.log"
         self.url, self.model_name = f"http://127.0.0.1:{self.port}", str(model)
-        self.proc = subprocess.Popen(serve_cmd(model, self.port, extra), env=serve_env(tmp), cwd=tmp,
+        self.proc = subprocess.Popen(serve_cmd(model, self.port, extra, dtype, eager), env=serve_env(tmp), cwd=tmp,
                                      stdout=self.log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + STARTUP_S
         while True:

@@ -30,7 +30,7 @@ from ..model.config import ModelConfig
 from .state import AdmissionState, StepPlan, WorkerState
 from .stats import HiSparseConnectorStats, HiSparsePromMetrics
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")   # under vLLM's logger, which has its handler
 
 
 @dataclass
@@ -54,8 +54,10 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             self.admission = AdmissionState(mc.max_model_len)
         else:
+            sc = vllm_config.scheduler_config
             self.worker = WorkerState(ModelConfig.load(mc.model), settings, mc.dtype,
-                                      torch.device(current_platform.device_type), mc.max_model_len)
+                                      torch.device(current_platform.device_type), mc.max_model_len,
+                                      (sc.max_num_seqs, sc.max_num_batched_tokens))
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -20,15 +20,20 @@ from torch import nn
 from vllm.distributed import get_tp_group
 from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 from vllm.forward_context import get_forward_context
+from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import Attention
 
 from ..dcp.group import DCPGroup
+from ..engine.kv_settings import KVSettings
 from ..model.batch import ForwardTrace
 from ..model.config import ModelConfig
 from ..model.ml4 import ML4
 from ..model.weights import load_model
 from ..parallel.tp import shard_for
 from .connector import HiSparseConnector
+from .footprint import device_footprint
+
+logger = init_logger(f"vllm.{__name__}")   # under vLLM's logger, which has its handler
 
 SLOT_HEAD_SIZE = 32   # smallest head size vLLM's CPU attention backend accepts; the slots hold no ML4 data
 
@@ -43,6 +48,15 @@ class HiSparseML4ForCausalLM(nn.Module):
             self.ml4 = ML4(self.cfg)   # shapes and dtype only; load_weights streams the checkpoint into a new one
         self.slots = Attention(num_heads=1, head_size=SLOT_HEAD_SIZE, scale=1.0, num_kv_heads=1,
                                cache_config=vllm_config.cache_config, prefix=f"{prefix}slots.0")   # vLLM wants one layer index
+        sc = vllm_config.scheduler_config
+        self.footprint = device_footprint(
+            self.cfg, KVSettings.from_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config),
+            vllm_config.model_config.dtype, sc.max_num_seqs, vllm_config.model_config.max_model_len,
+            sc.max_num_batched_tokens)
+        logger.info("hisparse: device bytes of the latent store %s per request (working set + indexer keys of "
+                    "max_model_len tokens), %s in all at max_num_seqs = %d, allocated at startup (vLLM's KV cache "
+                    "is sized from the memory left)", f"{self.footprint.per_request:,}",
+                    f"{self.footprint.total:,}", sc.max_num_seqs)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.ml4.tok_embeddings(input_ids)

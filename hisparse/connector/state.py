@@ -64,8 +64,12 @@ class WorkerState:
     """One worker's latent store and its view of vLLM's batch."""
 
     def __init__(self, cfg: ModelConfig, settings: KVSettings, dtype: torch.dtype, device: torch.device,
-                 max_model_len: int):
+                 max_model_len: int, limits: tuple[int, int] | None = None):
+        """limits: (max_num_seqs, max_num_batched_tokens): the device stores are allocated for them now, before
+        vLLM profiles the memory (`connector.footprint`)."""
         self.kv = settings.build(cfg, device, dtype)
+        if limits is not None:
+            self.kv.reserve_device(limits[0], max_model_len, limits[1])
         cap = self.kv.token_capacity()
         if cap is not None and cap < max_model_len:
             raise HiSparseConfigError(

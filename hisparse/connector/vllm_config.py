@@ -9,6 +9,7 @@ else goes to vLLM's own Mistral parser unchanged. No config.json is written or n
 The hook (vLLM's `MODELS_CONFIG_MAP`, run once while the engine config is built, before any engine starts)
 checks that the HiSparseConnector is configured with valid settings and turns vLLM's prefix caching off:
 hisparse must compute every position itself, since the latent rows live in its own store, not vLLM's blocks.
+On a CUDA device it also makes vLLM run eager (`enforce_eager`: no CUDA graph capture, no torch.compile).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ MODEL_TYPE = "hisparse_ml4"
 CONNECTOR = "HiSparseConnector"
 CONNECTOR_MODULE = "hisparse.connector"
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")   # under vLLM's logger, which has its handler
 
 
 def is_ml4_params(params: dict[str, Any]) -> bool:
@@ -76,6 +77,11 @@ class HiSparseModelConfig(VerifyAndUpdateConfig):
                 f"\"{CONNECTOR_MODULE}\",\"kv_role\":\"kv_both\",\"kv_connector_extra_config\":"
                 "{\"host_pool_gib\":8}}'")
         KVSettings.from_extra_config(kvt.kv_connector_extra_config)
+        if vllm_config.device_config.device_type == "cuda" and not vllm_config.model_config.enforce_eager:
+            logger.info("hisparse: running eager (no CUDA graphs, no torch.compile): the plugin's forward does "
+                        "host-side bookkeeping every step and returns zeros in vLLM's profile run, which a captured "
+                        "graph would replay as wrong output")
+            vllm_config.model_config.enforce_eager = True
         if vllm_config.cache_config.enable_prefix_caching:
             logger.info("hisparse: disabling vLLM prefix caching (latent rows live in hisparse's store)")
             vllm_config.cache_config.enable_prefix_caching = False

@@ -82,18 +82,11 @@ class HiSparseKV(LatentKV):
 
     # ---- step lifecycle ----
     def begin_step(self, segments: Sequence, query_rows: Sequence[int] | None = None) -> None:
-        super().begin_step(segments, query_rows)   # pages first: an exhausted pool fails before any row of the step is written
+        super().begin_step(segments, query_rows)   # pages first: an exhausted pool fails before any row is written
         for seg in segments:
             if seg.req not in self.slot_of:
                 self.slot_of[seg.req] = self.free_slots.pop() if self.free_slots else len(self.slot_of)
-        slots = max(self.slot_of.values(), default=-1) + 1
-        self.arena.fit(slots, sum(s.length for s in segments))
-        for h in self.hot.values():
-            h.fit(self.arena.slots)
-        if self.win_len.numel() < self.arena.slots:
-            grow = self.arena.slots - self.win_len.numel()
-            self.win_lo = torch.cat((self.win_lo, self.win_lo.new_zeros(grow)))
-            self.win_len = torch.cat((self.win_len, self.win_len.new_zeros(grow)))
+        self.fit_slots(max(self.slot_of.values(), default=-1) + 1, sum(s.length for s in segments))
         self.step_slot = torch.tensor([self.slot_of[s.req] for s in segments], dtype=torch.long, device=self.device)
         # write() receives the step's rows in this flat order (segment by segment, positions ascending), so their
         # step-region rows and host-pool rows are known here, on the host, without reading the device
@@ -259,6 +252,24 @@ class HiSparseKV(LatentKV):
             self.win_lo[slot] = 0
             self.win_len[slot] = 0
             self.free_slots.append(slot)
+
+    def fit_slots(self, slots: int, step_rows: int) -> None:
+        """Room for `slots` request slots and `step_rows` new rows per step in the arena and the slot metadata."""
+        self.arena.fit(slots, step_rows)
+        for h in self.hot.values():
+            h.fit(self.arena.slots)
+        if self.win_len.numel() < self.arena.slots:
+            grow = self.arena.slots - self.win_len.numel()
+            self.win_lo = torch.cat((self.win_lo, self.win_lo.new_zeros(grow)))
+            self.win_len = torch.cat((self.win_len, self.win_len.new_zeros(grow)))
+
+    def reserve_device(self, max_seqs: int, max_tokens: int, step_rows: int) -> None:
+        super().reserve_device(max_seqs, max_tokens, step_rows)
+        self.fit_slots(max_seqs, step_rows)
+
+    def device_nbytes(self) -> int:
+        return (super().device_nbytes() + self.arena.data.nbytes + self.win_lo.nbytes + self.win_len.nbytes
+                + sum(h.pos.nbytes + h.stamp.nbytes for h in self.hot.values()))
 
     # ---- observability ----
     def device_bytes(self, req: Hashable) -> dict[str, int]:

@@ -207,6 +207,16 @@ class LatentKV(ABC):
         Positions past a request's length are never selected (selection is causal) and are overwritten by the
         next write, so resident storage needs nothing; HiSparse drops their hot-buffer slots."""
 
+    def reserve_device(self, max_seqs: int, max_tokens: int, step_rows: int) -> None:
+        """Allocate the device stores for max_seqs requests of max_tokens tokens and step_rows new rows per step
+        now: a server that knows its limits then never grows a store while serving within them (page ids stay
+        below the peak pages in use: the page table hands out the lowest never-used id last)."""
+        self.index_keys.fit(max_seqs * -(-max_tokens // self.page_tokens))
+
+    def device_nbytes(self) -> int:
+        """Device bytes the stores hold now (allocated, used or not)."""
+        return sum(t.nbytes for t in self.index_keys.data.values())
+
     def index_cache_bytes(self, req: Hashable | None = None) -> int:
         """Device bytes of indexer keys held (by one request, or by all)."""
         pages = self.pages.pages_used if req is None else self.pages.pages_of(req)
@@ -264,6 +274,13 @@ class ResidentKV(LatentKV):
     def begin_step(self, segments: Sequence, query_rows: Sequence[int] | None = None) -> None:
         super().begin_step(segments, query_rows)
         self.rows.fit(self.pages.high_water)
+
+    def reserve_device(self, max_seqs: int, max_tokens: int, step_rows: int) -> None:
+        super().reserve_device(max_seqs, max_tokens, step_rows)
+        self.rows.fit(max_seqs * -(-max_tokens // self.page_tokens))
+
+    def device_nbytes(self) -> int:
+        return super().device_nbytes() + sum(t.nbytes for t in self.rows.data.values())
 
     def write(self, layer: int, seg: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> None:
         self.rows.write(layer, paged_rows(self.tables.pages, seg, positions, self.page_tokens), self.encode(rows))

