@@ -5,7 +5,8 @@ On an accelerator every op whose result size or value the host must read (`.item
 test records those ops instead: a `TorchDispatchMode` sees the aten ops, patched `Tensor` methods see the host
 reads that bypass the dispatcher, and forward hooks on the layers keep only what runs inside the layer loop. The
 native CPU kernels are switched off so the torch code a GPU runs is the code audited. The remaining sites are
-listed below; a new one, or one whose count grows with the batch, fails the test.
+listed below; a new one, or one whose count grows with the batch, fails the test. On the Triton path (every
+kernel of `--kernels triton`, interpreted here; their bodies are device code and not audited) there is none.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import hisparse
 from hisparse.gpu_working_set import resolver
+from hisparse.gpu_working_set.kernels import triton_support
 from hisparse.gpu_working_set.hisparse_kv import HiSparseKV
 from hisparse.host_pool import layout as layout_mod
 from hisparse.model.batch import Segment
@@ -34,6 +36,7 @@ SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "_unique2", "uniq
             "equal", "is_nonzero", "bincount", "repeat_interleave", "allclose"}
 HOST_READS = ("tolist", "item", "numpy", "__int__", "__bool__", "__float__", "__index__")
 PACKAGE = os.path.dirname(hisparse.__file__) + os.sep
+INTERPRETER = os.path.join("triton", "runtime", "interpreter.py")
 
 # (file, function) -> why it reads the host. The MoE's torch path reads each expert's token count to slice its
 # tokens (its Triton path, grouped GEMMs over stacked experts, has no host read: test_triton_moe audits it); the
@@ -56,7 +59,10 @@ class SyncAudit(TorchDispatchMode):
     def record(self) -> None:
         if not self.active:
             return
-        f = [f for f in traceback.extract_stack() if f.filename.startswith(PACKAGE)][-1]
+        stack = traceback.extract_stack()
+        if any(f.filename.endswith(INTERPRETER) for f in stack):   # a Triton kernel's body: device code on a GPU
+            return
+        f = [f for f in stack if f.filename.startswith(PACKAGE)][-1]
         self.sites[(f.filename[len(PACKAGE):], f.name)] += 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -93,21 +99,23 @@ def device_path(monkeypatch):
     monkeypatch.setattr(indexer_topk, "available", lambda: False)
 
 
-def decode_step_syncs(model, kv_class, n: int, index_cache: str = "fp32") -> Counter:
+def decode_step_syncs(model, kv_class, n: int, index_cache: str = "fp32", kernels: str = "torch",
+                      prompt: int = 48) -> Counter:
     cfg = model.cfg
     kw = {"host_pool_gib": 0.01, "hot_buffer_tokens": 16, "resident_window": 8} if kv_class is HiSparseKV else {}
-    kv = kv_class(cfg, "fp8_ds_mla", index_cache=index_cache, **kw)
-    prompts = torch.randint(0, cfg.vocab_size, (n, 48))
+    kv = kv_class(cfg, "fp8_ds_mla", index_cache=index_cache, kernels=kernels, **kw)
+    model.use_kernels(kernels)
+    prompts = torch.randint(0, cfg.vocab_size, (n, prompt))
     audit = SyncAudit()
     hooks = [h for layer in model.layers for h in (
         layer.register_forward_pre_hook(lambda *_: setattr(audit, "active", True)),
         layer.register_forward_hook(lambda *_: setattr(audit, "active", False)))]
     try:
         with torch.no_grad():
-            model(prompts.flatten(), [Segment(r, 0, 48) for r in range(n)], kv)
-            model(prompts[:, -1], [Segment(r, 48, 1) for r in range(n)], kv)   # warm: the hot slots fill
+            model(prompts.flatten(), [Segment(r, 0, prompt) for r in range(n)], kv)
+            model(prompts[:, -1], [Segment(r, prompt, 1) for r in range(n)], kv)   # warm: the hot slots fill
             with audit, audit.host_reads():
-                model(prompts[:, -2], [Segment(r, 49, 1) for r in range(n)], kv)
+                model(prompts[:, -2], [Segment(r, prompt + 1, 1) for r in range(n)], kv)
     finally:
         for h in hooks:
             h.remove()
@@ -123,6 +131,22 @@ def test_decode_layer_loop_syncs_are_known_and_do_not_grow_with_the_batch(device
     one, many = (decode_step_syncs(model, kv_class, n, index_cache) for n in (1, 8))
     assert set(one) == set(many) == KNOWN[kv_class], "a host sync appeared in or left the decode layer loop"
     assert one == many, "host syncs grow with the batch"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not triton_support.interpreted(), reason="needs Triton's interpreter (CPU) to audit on the CPU")
+@pytest.mark.parametrize("kv_class", [ResidentKV, HiSparseKV], ids=["resident", "hisparse"])
+def test_triton_decode_layer_loop_reads_nothing_on_the_host(device_path, kv_class):
+    """With --kernels triton (miss path, indexer scores, radix top-k, sparse MLA, grouped MoE; interpreted here,
+    their bodies are device code) the decode layer loop has no host synchronisation at all, at any batch."""
+    p = preset_params("tiny")
+    p["index_topk"] = 16     # below the 32-token context: misses and hits (hot buffer 16, window 8)
+    model = random_model(p, seed=0)
+    try:
+        for n in (1, 3):
+            assert not decode_step_syncs(model, kv_class, n, kernels="triton", prompt=32)
+    finally:
+        model.use_kernels("auto")
 
 
 def test_the_audit_sees_a_sync(device_path):
