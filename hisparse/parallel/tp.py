@@ -29,6 +29,7 @@ from torch import nn
 
 from ..dcp.group import DCPGroup
 from ..model.attention import MLA
+from ..model.config import ModelConfig
 from ..model.linear import Linear
 from ..model.ml4 import ML4
 from ..model.moe import MoE, SwiGLU
@@ -156,6 +157,13 @@ class TensorParallel:
 
     def _reduce_output(self, module: nn.Module, what: str) -> None:
         module.register_forward_hook(lambda m, args, out: self.comm.all_reduce(out, what))
+
+
+def check_splits(cfg: ModelConfig, size: int) -> None:
+    """ValueError (naming the dimension) unless a model of `cfg` splits over `size` tensor-parallel ranks; builds it
+    on the meta device only."""
+    with torch.device("meta"):
+        TensorParallel(0, size).shard(ML4(cfg))
 
 
 def shard_for(group: DCPGroup | None) -> Callable[[ML4], Select | None] | None:

@@ -25,6 +25,7 @@ from ..dcp.leader import DCPEngine
 from ..dcp.serve import (DCPStartError, FollowerRanks, ParallelConfig, join_rank, load_rank, rank_lines,
                          run_follower)
 from ..engine.engine import Engine
+from ..parallel.tp import check_splits
 from ..engine.kv_settings import KVSettings
 from ..engine.scheduler import SchedulerConfig
 from ..engine.speculative import SpeculativeConfig
@@ -137,6 +138,11 @@ def serve(args: argparse.Namespace, model_dir: Path, dtype: torch.dtype, kv_sett
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     speculative = speculative_config(args.speculative_config, model_dir)
     par = parallel_config(args)
+    if par is not None and par.tp_size > 1:   # before any rank process starts
+        try:
+            check_splits(ModelConfig.load(model_dir), par.tp_size)
+        except ValueError as e:
+            raise SystemExit(f"--tensor-parallel-size: {e}") from None
     followers = None
     if par is not None and "RANK" not in os.environ:      # under torchrun the ranks exist already
         followers = FollowerRanks(par, model_dir, args.device, dtype, kv_settings, speculative)   # they load meanwhile
