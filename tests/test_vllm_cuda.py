@@ -60,13 +60,16 @@ def test_footprint_is_what_the_worker_holds_at_the_limits(seed: int, offload: st
 def test_cuda_engine_config_runs_eager_with_one_log_line(ckpt, tmp_path: Path) -> None:
     """vLLM's engine config for the plugin (built by EngineArgs in the vLLM venv) comes out of the plugin's hook
     eager on a CUDA device (no graph capture: vLLM then sets cudagraph_mode NONE and compile mode NONE), with one
-    log line saying why, and unchanged on the CPU."""
+    log line saying why, and its dummy-layer cache limited to what the limits need; unchanged on the CPU."""
     run = subprocess.run([str(vllm_python()), str(HERE / "vllm_config_probe.py"), str(ckpt)], env=serve_env(tmp_path),
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     probe = json.loads(next(l for l in run.stdout.splitlines() if l.startswith("PROBE "))[6:])
-    assert probe["cpu"] == {"device": "cpu", "enforce_eager": False, "cudagraph_mode": "NONE"}
-    assert probe["cuda"]["device"] == "cuda" and probe["cuda"]["enforce_eager"] is True
+    cpu, cuda = probe["cpu"], probe["cuda"]
+    assert (cpu["device"], cpu["enforce_eager"], cpu["cudagraph_mode"], cpu["blocks"]) == ("cpu", False, "NONE", None)
+    assert cuda["device"] == "cuda" and cuda["enforce_eager"] is True
+    # vLLM's own cache: the blocks max_num_seqs requests of max_model_len tokens need at 16 tokens a block
+    assert cuda["blocks"] == cuda["max_num_seqs"] * -(-cuda["max_model_len"] // 16)
     assert (run.stdout + run.stderr).count("hisparse: running eager (no CUDA graphs") == 1
 
 

@@ -21,7 +21,9 @@ KVT = {"kv_connector": "HiSparseConnector", "kv_connector_module_path": "hispars
 
 def settings(cfg) -> dict:
     return {"device": cfg.device_config.device_type, "enforce_eager": cfg.model_config.enforce_eager,
-            "cudagraph_mode": cfg.compilation_config.cudagraph_mode.name}
+            "cudagraph_mode": cfg.compilation_config.cudagraph_mode.name,
+            "blocks": cfg.cache_config.num_gpu_blocks_override, "max_num_seqs": cfg.scheduler_config.max_num_seqs,
+            "max_model_len": cfg.model_config.max_model_len}
 
 
 def engine_config():

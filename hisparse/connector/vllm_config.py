@@ -9,7 +9,8 @@ else goes to vLLM's own Mistral parser unchanged. No config.json is written or n
 The hook (vLLM's `MODELS_CONFIG_MAP`, run once while the engine config is built, before any engine starts)
 checks that the HiSparseConnector is configured with valid settings and turns vLLM's prefix caching off:
 hisparse must compute every position itself, since the latent rows live in its own store, not vLLM's blocks.
-On a CUDA device it also makes vLLM run eager (`enforce_eager`: no CUDA graph capture, no torch.compile).
+On a CUDA device it also makes vLLM run eager (`enforce_eager`: no CUDA graph capture, no torch.compile) and
+limits vLLM's own (dummy-layer) KV cache to the blocks max_num_seqs requests of max_model_len tokens need.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ ARCHITECTURE = "HiSparseML4ForCausalLM"
 MODEL_TYPE = "hisparse_ml4"
 CONNECTOR = "HiSparseConnector"
 CONNECTOR_MODULE = "hisparse.connector"
+MIN_CUDA_BLOCK = 16   # tokens per KV block: vLLM's CUDA default, the smallest its CUDA attention backends use
 
 logger = init_logger(f"vllm.{__name__}")   # under vLLM's logger, which has its handler
 
@@ -82,6 +84,14 @@ class HiSparseModelConfig(VerifyAndUpdateConfig):
                         "host-side bookkeeping every step and returns zeros in vLLM's profile run, which a captured "
                         "graph would replay as wrong output")
             vllm_config.model_config.enforce_eager = True
+        cc = vllm_config.cache_config
+        if vllm_config.device_config.device_type == "cuda" and cc.num_gpu_blocks_override is None:
+            # the dummy layer's blocks only identify requests: as few as max_num_seqs requests of max_model_len
+            # tokens need, counted in the smallest CUDA block (any larger block size only adds room)
+            cc.num_gpu_blocks_override = vllm_config.scheduler_config.max_num_seqs * -(
+                -vllm_config.model_config.max_model_len // MIN_CUDA_BLOCK)
+            logger.info("hisparse: vLLM's own KV cache (one dummy layer that holds no ML4 rows) limited to %d "
+                        "blocks", cc.num_gpu_blocks_override)
         if vllm_config.cache_config.enable_prefix_caching:
             logger.info("hisparse: disabling vLLM prefix caching (latent rows live in hisparse's store)")
             vllm_config.cache_config.enable_prefix_caching = False
