@@ -1,4 +1,4 @@
-"""`hisparse` command line: make-tiny, generate, logits, serve, train-needle."""
+"""`hisparse` command line: make-tiny, generate, logits, serve, train-needle, train-drafter."""
 
 from __future__ import annotations
 
@@ -150,6 +150,11 @@ def cmd_train_needle(args: argparse.Namespace) -> None:
     main(args)
 
 
+def cmd_train_drafter(args: argparse.Namespace) -> None:
+    from .train.drafter import main
+    main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .dcp.group import DEFAULT_TIMEOUT_S
     ap = argparse.ArgumentParser(prog="hisparse", description="Long-context ML4 serving with host-memory sparse KV")
@@ -242,6 +247,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hot-buffer-tokens", type=int, default=128,
                    help="HiSparse hot slots used by the evaluation (default: %(default)s)")
     p.set_defaults(fn=cmd_train_needle)
+
+    p = sub.add_parser("train-drafter", help="train a checkpoint's DSpark drafter by distillation from the target")
+    p.add_argument("--model", default=TRAINED_CHECKPOINT, help="checkpoint dir (default: %(default)s)")
+    p.add_argument("--out", default=None, help="checkpoint dir to write (default: --model, in place)")
+    p.add_argument("--seed", type=int, default=0, help="training seed (default: %(default)s)")
+    p.add_argument("--resume", action="store_true", help="continue from the last saved state in --out")
+    p.add_argument("--steps", type=int, default=None, help="training steps (default: the recipe's)")
+    p.set_defaults(fn=cmd_train_drafter)
     return ap
 
 

@@ -160,7 +160,7 @@ def help_entries(text: str) -> dict[str, str]:
     return {opt: " ".join(" ".join(lines).split()) for opt, lines in entries.items()}
 
 
-@pytest.mark.parametrize("cmd", ["serve", "generate", "logits", "make-tiny", "train-needle"])
+@pytest.mark.parametrize("cmd", ["serve", "generate", "logits", "make-tiny", "train-needle", "train-drafter"])
 def test_help_shows_every_default(cmd: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """`hisparse CMD --help`: every flag has a help line that states its default (the value itself where it has
     one); on/off switches and required flags only need a help line."""

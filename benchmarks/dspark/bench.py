@@ -7,16 +7,33 @@ Prefill is not timed. One request, batch 1, single-threaded by default. Results 
 
     python -m benchmarks.dspark.bench [--model DIR | --preset small] [--prompt 256] [--new 96]
                                       [--kv none,hisparse] [--out benchmarks/results/dspark.json]
+
+`--serve` measures through `hisparse serve` instead (HiSparse KV, the server's defaults): one server plain and
+one with `--speculative-config '{"method":"dspark","num_speculative_tokens":N}'`, the same greedy streamed
+completions at each concurrency (haystack-continuation and passkey prompts of the needle task), which must be
+identical text; acceptance (tokens per verify step, per-position acceptance) from each run's /metrics delta;
+per-request decode tokens/s (tokens after the first over the time from first to last) and aggregate output tokens/s.
+
+    python -m benchmarks.dspark.bench --serve --model checkpoints/needle-ml4 [--concurrency 1,4,8]
+                                      [--out benchmarks/results/dspark_serve_needle.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import os
 import platform
+import random
+import re
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
+import httpx
 import torch
 
 from hisparse.engine.kv_settings import KVSettings
@@ -26,6 +43,10 @@ from hisparse.model.dspark import DSparkDrafter
 from hisparse.model.ml4 import ML4
 from hisparse.model.tiny import random_model
 from hisparse.model.weights import load_model
+from hisparse.train.passkey import INTRO, SyntheticHaystack, sample_prompt
+
+SPEC_METRIC = re.compile(r'^hisparse_spec_decode_(num_drafts|num_accepted_tokens|num_draft_tokens|'
+                         r'num_accepted_tokens_per_pos)_total(?:\{position="(\d+)"\})? ([0-9.e+]+)$', re.M)
 
 
 def decode(model: ML4, kv_kind: str, proposer: Proposer, n_spec: int, prompt: list[int], new: int) -> dict:
@@ -81,6 +102,124 @@ def bench_kv(model: ML4, kv_kind: str, prompt: list[int], new: int, repeat: int)
     return out
 
 
+def serve_prompts(kind: str, count: int, seed: int) -> list[str]:
+    """Completion prompts of the needle task: `haystack` (the passkey intro and ~700 characters of synthetic
+    haystack cut mid-text, which the model continues) or `passkey` (a ~1,500-character haystack with the needle,
+    ending in the answer cue)."""
+    rng = random.Random(f"dspark-serve:{kind}:{seed}")
+    if kind == "haystack":
+        return [INTRO + "".join(SyntheticHaystack(rng.randrange(1 << 30)).units(40))[:700] for _ in range(count)]
+    return [sample_prompt(rng, 1500, rng.random())[0] for _ in range(count)]
+
+
+def start_server(model: str, spec: str | None, port: int, threads: int, log: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "hisparse.cli", "serve", "--model", model, "--port", str(port),
+           "--host-pool-gib", "0.5", "--log-level", "warning"] + (["--speculative-config", spec] if spec else [])
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
+    deadline = time.monotonic() + 300
+    while True:
+        if proc.poll() is not None:
+            raise SystemExit(f"hisparse serve exited:\n{log.read_text()}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise SystemExit(f"hisparse serve did not start:\n{log.read_text()}")
+        time.sleep(0.5)
+
+
+def spec_counters(port: int) -> dict[str, float]:
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    return {name + (f"[{pos}]" if pos else ""): float(v) for name, pos, v in SPEC_METRIC.findall(text)}
+
+
+async def one(client: httpx.AsyncClient, port: int, prompt: str, max_tokens: int) -> dict:
+    """A greedy streamed completion: its text, tokens and the times of its first and last token."""
+    models = (await client.get(f"http://127.0.0.1:{port}/v1/models")).json()["data"]
+    body = {"model": models[0]["id"], "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    text, t0, first, last, tokens = [], time.perf_counter(), None, None, 0
+    async with client.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            if ev.get("usage"):
+                tokens = ev["usage"]["completion_tokens"]
+            for ch in ev.get("choices", []):
+                if ch.get("text"):
+                    now = time.perf_counter()
+                    first, last = first or now, now
+                    text.append(ch["text"])
+    return {"text": "".join(text), "tokens": tokens, "ttft": first - t0, "decode_s": last - first}
+
+
+async def run_load(port: int, prompts: list[str], max_tokens: int, concurrency: int) -> tuple[list[dict], float]:
+    sem = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=600) as client:
+        async def guarded(p: str) -> dict:
+            async with sem:
+                return await one(client, port, p, max_tokens)
+        t0 = time.perf_counter()
+        res = await asyncio.gather(*(guarded(p) for p in prompts))
+    return res, time.perf_counter() - t0
+
+
+def serve_bench(args: argparse.Namespace) -> dict:
+    """Plain vs DSpark servers on the same loads; every completion must be identical."""
+    spec = json.dumps({"method": "dspark", "num_speculative_tokens": args.num_spec})
+    levels = [int(c) for c in args.concurrency.split(",")]
+    loads = [("haystack", c, args.new) for c in levels] + [("passkey", 1, 12)]
+    out: dict = {"setup": {"model": args.model, "server": "hisparse serve (HiSparse KV, defaults), OMP threads "
+                           f"{args.threads}", "speculative_config": spec, "prompts_per_request_slot":
+                           args.prompts_per_client, "haystack_max_tokens": args.new, "passkey_max_tokens": 12,
+                           "temperature": 0, "cpu": platform.processor() or platform.machine(),
+                           "torch": torch.__version__}, "runs": {}}
+    texts: dict[str, dict[str, list[str]]] = {}
+    for mode, sc in (("plain", None), ("dspark", spec)):
+        log = Path(tempfile.gettempdir()) / f"dspark-serve-{mode}.log"
+        proc = start_server(args.model, sc, args.port, args.threads, log)
+        try:
+            for kind, c, max_tokens in loads:
+                prompts = serve_prompts(kind, max(2, args.prompts_per_client * c), args.seed)
+                asyncio.run(run_load(args.port, prompts[:1], max_tokens, 1))   # warm-up
+                before = spec_counters(args.port)
+                res, wall = asyncio.run(run_load(args.port, prompts, max_tokens, c))
+                after = spec_counters(args.port)
+                d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+                steps = d.get("num_drafts", 0)
+                key = f"{kind}_c{c}"
+                texts.setdefault(key, {})[mode] = [r["text"] for r in res]
+                rates = [(r["tokens"] - 1) / r["decode_s"] for r in res if r["tokens"] > 1 and r["decode_s"] > 0]
+                run = {"requests": len(res), "concurrency": c, "output_tokens": sum(r["tokens"] for r in res),
+                       "wall_s": round(wall, 3), "output_tok_s": sum(r["tokens"] for r in res) / wall,
+                       "decode_tok_s_per_request": sum(rates) / len(rates),
+                       "mean_ttft_s": sum(r["ttft"] for r in res) / len(res)}
+                if mode == "dspark":
+                    run |= {"verify_steps": steps, "acceptance_length": 1 + d.get("num_accepted_tokens", 0) / steps,
+                            "acceptance_per_position": [d.get(f"num_accepted_tokens_per_pos[{i}]", 0) / steps
+                                                        for i in range(args.num_spec)]}
+                out["runs"].setdefault(key, {})[mode] = run
+                print(key, mode, json.dumps(run), flush=True)
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    for key, modes in texts.items():
+        if modes["plain"] != modes["dspark"]:
+            raise SystemExit(f"{key}: DSpark completions differ from plain greedy decoding")
+        r = out["runs"][key]
+        r["identical_greedy_output"] = True
+        r["speedup_decode_per_request"] = (r["dspark"]["decode_tok_s_per_request"]
+                                           / r["plain"]["decode_tok_s_per_request"])
+        r["speedup_output_tok_s"] = r["dspark"]["output_tok_s"] / r["plain"]["output_tok_s"]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="checkpoint directory with a drafter (default: random --preset model)")
@@ -93,7 +232,20 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="benchmarks/results/dspark.json")
+    ap.add_argument("--serve", action="store_true", help="measure through `hisparse serve` (needs --model)")
+    ap.add_argument("--concurrency", default="1,4,8", help="--serve: concurrent requests per run")
+    ap.add_argument("--prompts-per-client", type=int, default=4, help="--serve: requests = this x concurrency")
+    ap.add_argument("--num-spec", type=int, default=3, help="--serve: num_speculative_tokens")
+    ap.add_argument("--port", type=int, default=8437)
     args = ap.parse_args()
+    if args.serve:
+        if not args.model:
+            raise SystemExit("--serve: --model is required (a checkpoint with a drafter and a tokenizer)")
+        res = serve_bench(args)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+        print(json.dumps(res, indent=2))
+        return
     torch.set_num_threads(args.threads)
     if args.model:
         model = load_model(args.model, device=args.device)

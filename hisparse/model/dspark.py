@@ -213,21 +213,47 @@ class DSpark(nn.Module):
             h = layer(h, positions, cos, sin, ctx[:, j], valid)
         return self.norm(h)
 
+    def block_logits(self, target: nn.Module, anchors: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, ctx: torch.Tensor, ctx_pos: torch.Tensor) -> torch.Tensor:
+        """The block [anchor, mask_1..mask_{n-1}] through the draft layers and the target's output head:
+        anchors [B] at positions [B, n], context rows ctx [B, L, S, r + dR] at ctx_pos [B, S] ->
+        uncapped logits U [B, n, V] (fp32, or fp64 in tests). Inference and training both run this."""
+        B, n = positions.shape
+        x0 = torch.cat((target.tok_embeddings(anchors)[:, None],
+                        self.mask_embeddings[: n - 1].expand(B, -1, -1)), dim=1)            # [B, n, D]
+        g = self.block(x0, positions, cos, sin, ctx, ctx_pos)                               # [B, n, D]
+        u = F.linear(g, target.tok_embeddings.weight) if target.output is None else target.output(g)
+        return u.float() if u.dtype != torch.float64 else u
+
+    def _slot(self, u: torch.Tensor, y_prev: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft slot: uncapped logits u [B, V], previous token [B], state [B, R] -> (state, capped logits)."""
+        s, bias = self.markov(y_prev, s)
+        z, cap = u + bias, self.cfg.logit_softcap
+        return s, (cap * torch.tanh(z / cap) if cap else z)
+
     def draft(self, logits: torch.Tensor, anchor: torch.Tensor, sample: DraftSampler
               ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Markov head, in sequence: logits U [B, N, V] (uncapped head outputs), anchor [B] ->
         drafts [B, N] and, for a sampled drafter, the distributions q [B, N, V] they were drawn from."""
         B, N, _ = logits.shape
-        cap = self.cfg.logit_softcap
         s = logits.new_zeros(B, self.cfg.mtp.markov_rank, dtype=self.markov.embed.weight.dtype)   # the head's dtype
         y, drafts, dists = anchor, [], []
         for i in range(N):   # sequential by definition: slot i's logits depend on the drafts before it
-            s, bias = self.markov(y, s)
-            z = logits[:, i] + bias
-            y, q = sample(cap * torch.tanh(z / cap) if cap else z)
+            s, z = self._slot(logits[:, i], y, s)
+            y, q = sample(z)
             drafts.append(y)
             dists.append(q)
         return torch.stack(drafts, 1), (None if dists[0] is None else torch.stack(dists, 1))
+
+    def forced_logits(self, logits: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """Markov head with given inputs (training): logits U [B, N, V], prev [B, N] (the anchor, then the token
+        before each later slot) -> the capped logits [B, N, V] that `draft` samples from when it drafts those."""
+        s = logits.new_zeros(logits.shape[0], self.cfg.mtp.markov_rank, dtype=self.markov.embed.weight.dtype)
+        out = []
+        for i in range(logits.shape[1]):
+            s, z = self._slot(logits[:, i], prev[:, i], s)
+            out.append(z)
+        return torch.stack(out, 1)
 
 
 class DSparkDrafter:
@@ -283,16 +309,13 @@ class DSparkDrafter:
         if not 1 <= n <= self.cfg.mtp.block_size:
             raise ValueError(f"num_speculative_tokens: {n} drafts, the drafter's block_size allows "
                              f"1..{self.cfg.mtp.block_size}")
-        dev, m, B = self.target.device, self.model, len(reqs)
+        dev = self.target.device
         anchors = anchors.to(dev)
-        x0 = torch.cat((self.target.tok_embeddings(anchors)[:, None],
-                        m.mask_embeddings[: n - 1].expand(B, -1, -1)), dim=1)               # [B, n, D]
         positions = pos.to(dev)[:, None] + torch.arange(n, device=dev)                      # [B, n]
         ctx, ctx_pos = zip(*(self.cache.read(r) for r in reqs))
-        g = m.block(x0, positions, *self._rope(positions), torch.stack(ctx), torch.stack(ctx_pos))   # [B, n, D]
-        t = self.target
-        u = F.linear(g, t.tok_embeddings.weight) if t.output is None else t.output(g)
-        return m.draft(u.float() if u.dtype != torch.float64 else u, anchors, sample)
+        u = self.model.block_logits(self.target, anchors, positions, *self._rope(positions), torch.stack(ctx),
+                                    torch.stack(ctx_pos))                                   # [B, n, V]
+        return self.model.draft(u, anchors, sample)
 
     def truncate(self, req: Hashable, length: int) -> None:
         self.cache.truncate(req, length)
