@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hisparse.connector import footprint
 from hisparse.connector.footprint import device_footprint
 from hisparse.connector.state import WorkerState
 from hisparse.engine.generate import greedy_generate
@@ -54,6 +55,22 @@ def test_footprint_is_what_the_worker_holds_at_the_limits(seed: int, offload: st
             seqs * fp.per_request
     unlimited = settings.build(cfg)                          # without the limits the stores grow as they fill
     assert unlimited.device_nbytes() < fp.total
+
+
+def test_profile_run_holds_the_footprint_until_the_store_takes_its_place() -> None:
+    """vLLM's GPU worker profiles its memory before it creates the connector: the model's profile run holds the
+    footprint's bytes (once, however many dummy runs), and the worker frees exactly them right before its store
+    allocates the same bytes, so the store is counted once in the profile and never twice on the device."""
+    cfg = preset("tiny")
+    settings = KVSettings(host_pool_gib=0.05, hot_buffer_tokens=16, resident_window=8)
+    seqs, length, chunk = 2, 160, 64
+    fp = device_footprint(cfg, settings, torch.float32, seqs, length, chunk)
+    for _ in range(2):
+        footprint.hold_for_profile(fp.total, torch.device("cpu"))
+    assert sum(t.nbytes for t in footprint._held) == fp.total
+    w = WorkerState(cfg, settings, torch.float32, torch.device("cpu"), length, (seqs, chunk))
+    assert footprint._held == [] and w.kv.device_nbytes() == fp.total
+    assert footprint.release_profile_hold() == 0
 
 
 @pytest.mark.slow

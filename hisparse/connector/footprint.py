@@ -1,9 +1,12 @@
 """The device memory hisparse's store takes under vLLM at its limits (--max-num-seqs requests of --max-model-len
 tokens, --max-num-batched-tokens new rows per step), from the store's own byte accounting.
 
-Each worker allocates its store at these limits when it starts (`WorkerState`, `LatentKV.reserve_device`), before
-vLLM's memory profile, so vLLM counts it as memory in use and sizes its own (one dummy-layer) cache from what is
-left: `--gpu-memory-utilization` bounds both. Within the limits the store never grows while serving.
+vLLM's GPU worker profiles its memory (`determine_available_memory`: the model's dummy run) before it creates the
+worker's connector, whose store is allocated only then. So the model's dummy run holds the store's bytes on the
+device (`hold_for_profile`) and the worker frees them just before its store allocates the same bytes at these
+limits (`WorkerState`, `LatentKV.reserve_device`): vLLM's profile counts them as memory in use and sizes its own
+(one dummy-layer) cache from what is left, so `--gpu-memory-utilization` bounds both. Within the limits the store
+never grows while serving.
 """
 
 from __future__ import annotations
@@ -37,3 +40,23 @@ def device_footprint(cfg: ModelConfig, settings: KVSettings, dtype: torch.dtype,
         per_request += pages * kv.rows.bytes_per_page()
     kv.reserve_device(max_num_seqs, max_model_len, max_num_batched_tokens)
     return DeviceFootprint(per_request, kv.device_nbytes(), max_num_seqs)
+
+
+_held: list[torch.Tensor] = []   # this process's stand-in for its store while vLLM profiles the memory
+
+
+def hold_for_profile(nbytes: int, device: torch.device) -> None:
+    """Allocate `nbytes` on `device` (once) and keep them until `release_profile_hold`."""
+    if not _held:
+        _held.append(torch.empty(nbytes, dtype=torch.uint8, device=device))
+
+
+def release_profile_hold() -> int:
+    """Free the stand-in (before the store takes its place); returns the bytes it held."""
+    nbytes = sum(t.numel() for t in _held)
+    if _held:
+        device = _held[0].device
+        _held.clear()
+        if device.type not in ("cpu", "meta"):
+            torch.accelerator.empty_cache()   # back to the device, for the store's own tensors
+    return nbytes

@@ -31,7 +31,7 @@ from ..model.ml4 import ML4
 from ..model.weights import load_model
 from ..parallel.tp import shard_for
 from .connector import HiSparseConnector
-from .footprint import device_footprint
+from .footprint import device_footprint, hold_for_profile
 
 logger = init_logger(f"vllm.{__name__}")   # under vLLM's logger, which has its handler
 
@@ -54,8 +54,8 @@ class HiSparseML4ForCausalLM(nn.Module):
             vllm_config.model_config.dtype, sc.max_num_seqs, vllm_config.model_config.max_model_len,
             sc.max_num_batched_tokens)
         logger.info("hisparse: device bytes of the latent store %s per request (working set + indexer keys of "
-                    "max_model_len tokens), %s in all at max_num_seqs = %d, allocated at startup (vLLM's KV cache "
-                    "is sized from the memory left)", f"{self.footprint.per_request:,}",
+                    "max_model_len tokens), %s in all at max_num_seqs = %d, held from vLLM's memory profile on "
+                    "(vLLM's KV cache is sized from the memory left)", f"{self.footprint.per_request:,}",
                     f"{self.footprint.total:,}", sc.max_num_seqs)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -69,6 +69,9 @@ class HiSparseML4ForCausalLM(nn.Module):
         out = torch.zeros(input_ids.shape[0], self.cfg.dim, dtype=self.ml4.dtype, device=input_ids.device)
         conn = get_kv_transfer_group() if has_kv_transfer_group() else None
         if not isinstance(conn, HiSparseConnector) or not conn.has_connector_metadata():
+            if conn is None and out.device.type != "cpu":
+                # vLLM's memory profile, before the connector and its store exist: hold the store's bytes
+                hold_for_profile(self.footprint.total, out.device)
             return out   # vLLM's warm-up / profiling run: no request, nothing to compute
         meta = get_forward_context().attn_metadata[self.slots.layer_name]
         segments = conn.worker.segments(meta.query_start_loc, meta.seq_lens, meta.block_table, positions)

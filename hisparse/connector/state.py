@@ -18,6 +18,7 @@ from ..gpu_working_set.hisparse_kv import HiSparseKV
 from ..model.batch import Segment, segment_positions
 from ..model.config import ModelConfig
 from ..model.kv import KVStats
+from .footprint import release_profile_hold
 from .settings import HiSparseConfigError
 
 
@@ -66,7 +67,8 @@ class WorkerState:
     def __init__(self, cfg: ModelConfig, settings: KVSettings, dtype: torch.dtype, device: torch.device,
                  max_model_len: int, limits: tuple[int, int] | None = None):
         """limits: (max_num_seqs, max_num_batched_tokens): the device stores are allocated for them now, before
-        vLLM profiles the memory (`connector.footprint`)."""
+        vLLM sizes its cache; they take the place of the bytes the profile run held (`connector.footprint`)."""
+        release_profile_hold()
         self.kv = settings.build(cfg, device, dtype)
         if limits is not None:
             self.kv.reserve_device(limits[0], max_model_len, limits[1])
