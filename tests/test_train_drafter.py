@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import tiny_model
+from test_dspark_model import Recorder
 from hisparse.engine.kv_settings import KVSettings
 from hisparse.engine.speculative import OracleProposer, SpeculativeConfig, SpeculativeDecoder, speculative_generate
 from hisparse.model.dspark import DSparkDrafter
@@ -24,17 +25,6 @@ from hisparse.train.passkey import INTRO, SyntheticHaystack
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 SHIPPED = Path(__file__).resolve().parents[1] / "checkpoints" / "needle-ml4"
-
-
-class Recorder:
-    """Greedy draft sampler that keeps the capped logits it was shown."""
-
-    def __init__(self):
-        self.logits: list[torch.Tensor] = []
-
-    def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, None]:
-        self.logits.append(logits.clone())
-        return logits.argmax(-1), None
 
 
 @pytest.mark.parametrize("seed", [0, 1])

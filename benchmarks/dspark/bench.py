@@ -23,12 +23,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import platform
 import random
 import re
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,6 +34,7 @@ from pathlib import Path
 import httpx
 import torch
 
+from benchmarks.hisparse_server import start_serve
 from hisparse.engine.kv_settings import KVSettings
 from hisparse.engine.speculative import OracleProposer, Proposer, SpeculativeConfig, SpeculativeDecoder
 from hisparse.model.config import preset_params
@@ -113,23 +112,8 @@ def serve_prompts(kind: str, count: int, seed: int) -> list[str]:
 
 
 def start_server(model: str, spec: str | None, port: int, threads: int, log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "hisparse.cli", "serve", "--model", model, "--port", str(port),
-           "--host-pool-gib", "0.5", "--log-level", "warning"] + (["--speculative-config", spec] if spec else [])
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
-    deadline = time.monotonic() + 300
-    while True:
-        if proc.poll() is not None:
-            raise SystemExit(f"hisparse serve exited:\n{log.read_text()}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise SystemExit(f"hisparse serve did not start:\n{log.read_text()}")
-        time.sleep(0.5)
+    return start_serve(["--model", model, "--host-pool-gib", "0.5"] + (["--speculative-config", spec] if spec else []),
+                       port, threads, log)
 
 
 def spec_counters(port: int) -> dict[str, float]:

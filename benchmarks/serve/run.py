@@ -19,12 +19,11 @@ import platform
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
 import torch
 
+from benchmarks.hisparse_server import start_serve
 from benchmarks.throughput.run import measure, per_token_bytes
 from hisparse.engine.engine import Engine
 from hisparse.engine.kv_settings import KVSettings
@@ -58,24 +57,8 @@ def device_limits(model_dir: Path, length: int, budget_requests: int, layout: st
 
 def serve(model_dir: Path, mode: str, max_num_seqs: int, max_model_len: int, port: int, threads: int,
           log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "hisparse.cli", "serve", "--model", str(model_dir), "--port", str(port),
-           "--kv-offload", mode, "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len),
-           "--host-pool-gib", "1", "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
-    deadline = time.monotonic() + 300
-    while True:
-        if proc.poll() is not None:
-            raise SystemExit(f"hisparse serve exited:\n{log.read_text()}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise SystemExit(f"hisparse serve did not start:\n{log.read_text()}")
-        time.sleep(0.5)
+    return start_serve(["--model", str(model_dir), "--kv-offload", mode, "--max-num-seqs", str(max_num_seqs),
+                        "--max-model-len", str(max_model_len), "--host-pool-gib", "1"], port, threads, log)
 
 
 def bench(vllm: Path, port: int, name: str, model_dir: Path, args: argparse.Namespace, c: int, raw: Path,
