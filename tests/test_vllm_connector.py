@@ -125,11 +125,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_cmd(model: Path, port: int, extra: dict, dtype: str = "float32", eager: bool = True) -> list[str]:
+def serve_cmd(model: Path, port: int, extra: dict, dtype: str = "float32", eager: bool = True,
+              args: tuple[str, ...] = ("--max-model-len", "4096")) -> list[str]:
     kvt = {"kv_connector": "HiSparseConnector", "kv_connector_module_path": "hisparse.connector",
            "kv_role": "kv_both", "kv_connector_extra_config": extra}
     return [str(VENV / "bin" / "vllm"), "serve", str(model), "--port", str(port), *(["--enforce-eager"] * eager),
-            "--dtype", dtype, "--max-model-len", "4096", "--kv-transfer-config", json.dumps(kvt)]
+            "--dtype", dtype, *args, "--kv-transfer-config", json.dumps(kvt)]
 
 
 def serve_env(tmp: Path) -> dict[str, str]:
@@ -143,12 +144,14 @@ def tail(path: Path, n: int = 60) -> str:
 
 
 class Server:
-    def __init__(self, model: Path, tmp: Path, extra: dict, dtype: str = "float32", eager: bool = True):
+    def __init__(self, model: Path, tmp: Path, extra: dict, dtype: str = "float32", eager: bool = True,
+                 args: tuple[str, ...] = ("--max-model-len", "4096")):
         vllm_python()
         self.port, self.log = free_port(), tmp / "vllm-serve.log"
         self.url, self.model_name = f"http://127.0.0.1:{self.port}", str(model)
-        self.proc = subprocess.Popen(serve_cmd(model, self.port, extra, dtype, eager), env=serve_env(tmp), cwd=tmp,
-                                     stdout=self.log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(serve_cmd(model, self.port, extra, dtype, eager, args), env=serve_env(tmp),
+                                     cwd=tmp, stdout=self.log.open("w"), stderr=subprocess.STDOUT,
+                                     start_new_session=True)
         deadline = time.monotonic() + STARTUP_S
         while True:
             if self.proc.poll() is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import subprocess
 from pathlib import Path
 
@@ -18,10 +19,10 @@ from hisparse.connector.state import WorkerState
 from hisparse.engine.generate import greedy_generate
 from hisparse.engine.kv_settings import KVSettings
 from hisparse.model.batch import Segment
-from hisparse.model.config import preset
+from hisparse.model.config import ModelConfig, preset
 from hisparse.model.tiny import make_tiny, random_model
 from hisparse.model.weights import load_model
-from test_vllm_connector import EXTRA, Server, ckpt, serve_env, vllm_python  # noqa: F401
+from test_vllm_connector import EXTRA, Server, ckpt, free_port, serve_cmd, serve_env, vllm_python  # noqa: F401
 
 HERE = Path(__file__).resolve().parent
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (and vLLM built for it)")
@@ -118,13 +119,45 @@ def test_vllm_serve_equals_hisparse(ckpt, tmp_path: Path, seed: int, dtype: str,
 
 @cuda_only
 def test_cuda_vllm_serve_runs_eager_and_counts_the_store(ckpt, tmp_path: Path) -> None:
-    """On a GPU: vllm serve logs the eager switch and the store's bytes, and a request of max_model_len tokens
-    runs without running out of device memory (the profile run reserved its working set and keys)."""
+    """On a GPU without --enforce-eager: vLLM disables graph capture for the plugin (its own log line after the
+    plugin's), the store's bytes are logged, and a request of near max_model_len tokens runs without running out
+    of device memory."""
     server = Server(ckpt, tmp_path, EXTRA, dtype="bfloat16", eager=False)   # the plugin turns graphs off itself
     try:
         log = server.log.read_text()
-        assert "hisparse: running eager" in log and "hisparse: device bytes of the latent store" in log
+        assert "hisparse: running eager" in log and "Cudagraph is disabled under eager mode" in log
+        assert "hisparse: device bytes of the latent store" in log
         out = server.complete([1] + list(range(1000, 1000 + 4000)), 16)
         assert len(out["token_ids"]) == 16
     finally:
         server.stop()
+
+
+HEADROOM = {"host_pool_gib": 0.5, "kv_offload": "none"}   # all-resident: every latent row on the device
+HEADROOM_LIMITS = ("--max-num-seqs", "256", "--max-model-len", "65536")   # a store of ~8.6 GiB in bf16
+
+
+@cuda_only
+@pytest.mark.slow
+def test_cuda_gpu_memory_utilization_bounds_the_store(ckpt, tmp_path: Path) -> None:
+    """On a GPU, --gpu-memory-utilization counts hisparse's store: vLLM's profiled cache memory leaves room for
+    it (the profile run held its bytes), and a budget below it stops vllm serve with one message naming the flag."""
+    total = torch.cuda.get_device_properties(0).total_memory
+    fp = device_footprint(ModelConfig.load(ckpt), KVSettings.from_extra_config(HEADROOM), torch.bfloat16, 256, 65536,
+                          2048)
+    assert fp.total > 4 << 30
+    util = (fp.total + (6 << 30)) / total
+    server = Server(ckpt, tmp_path, HEADROOM, dtype="bfloat16", eager=False,
+                    args=(*HEADROOM_LIMITS, "--gpu-memory-utilization", f"{util:.4f}"))
+    try:
+        log = server.log.read_text()
+        available = float(re.search(r"Available KV cache memory: ([0-9.]+) GiB", log).group(1)) * 2**30
+        assert available <= util * total - fp.total
+        assert len(server.complete([1] + list(range(1000, 1000 + 4000)), 8)["token_ids"]) == 8
+    finally:
+        server.stop()
+    small = (fp.total // 2) / total
+    run = subprocess.run(serve_cmd(ckpt, free_port(), HEADROOM, "bfloat16", False,
+                                   (*HEADROOM_LIMITS, "--gpu-memory-utilization", f"{small:.4f}")),
+                         env=serve_env(tmp_path), cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert run.returncode != 0 and f"--gpu-memory-utilization {float(f'{small:.4f}')}" in run.stdout + run.stderr

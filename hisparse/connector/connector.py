@@ -27,6 +27,7 @@ from vllm.platforms import current_platform
 
 from ..engine.kv_settings import KVSettings
 from ..model.config import ModelConfig
+from .footprint import check_device_budget
 from .state import AdmissionState, StepPlan, WorkerState
 from .stats import HiSparseConnectorStats, HiSparsePromMetrics
 
@@ -55,9 +56,11 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
             self.admission = AdmissionState(mc.max_model_len)
         else:
             sc = vllm_config.scheduler_config
-            self.worker = WorkerState(ModelConfig.load(mc.model), settings, mc.dtype,
-                                      torch.device(current_platform.device_type), mc.max_model_len,
+            device = torch.device(current_platform.device_type)
+            self.worker = WorkerState(ModelConfig.load(mc.model), settings, mc.dtype, device, mc.max_model_len,
                                       (sc.max_num_seqs, sc.max_num_batched_tokens))
+            if device.type == "cuda":
+                check_device_budget(vllm_config.cache_config.gpu_memory_utilization, device)
 
     @property
     def requires_kv_delivery(self) -> bool:

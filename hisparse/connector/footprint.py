@@ -17,6 +17,7 @@ import torch
 
 from ..engine.kv_settings import KVSettings
 from ..model.config import ModelConfig
+from .settings import HiSparseConfigError
 
 
 @dataclass(frozen=True)
@@ -60,3 +61,17 @@ def release_profile_hold() -> int:
         if device.type not in ("cpu", "meta"):
             torch.accelerator.empty_cache()   # back to the device, for the store's own tensors
     return nbytes
+
+
+def check_device_budget(utilization: float, device: torch.device) -> None:
+    """Refuse to serve when this process's live device tensors (weights + the store, now allocated) exceed
+    `--gpu-memory-utilization` of the device. vLLM sizes the dummy layer's cache from `num_gpu_blocks_override`,
+    not from the memory its profile left, so it would not refuse by itself. The live tensors are a lower bound of
+    what the instance takes (no CUDA context, activations or vLLM's cache): this never refuses what fits."""
+    used = torch.cuda.memory_allocated(device)
+    budget = utilization * torch.cuda.get_device_properties(device).total_memory
+    if used > budget:
+        raise HiSparseConfigError(
+            f"--gpu-memory-utilization {utilization}: the model's weights and hisparse's store take {used:,} device "
+            f"bytes, more than the {budget:,.0f} allowed; raise --gpu-memory-utilization or lower --max-num-seqs / "
+            "--max-model-len")
