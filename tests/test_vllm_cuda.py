@@ -78,8 +78,8 @@ def test_cuda_engine_config_runs_eager_with_one_log_line(ckpt, tmp_path: Path) -
     """vLLM's engine config for the plugin, built by EngineArgs on vLLM's CUDA platform (no GPU needed to build
     it; tests/vllm_config_probe.py says what differs from a GPU machine), comes out of VllmConfig's own checks with
     no graph capture (enforce_eager, so vLLM resolves cudagraph_mode and compile mode to NONE), with one log line
-    saying why, and its dummy-layer cache limited to what the limits need. Without the hook the same build
-    captures graphs and compiles; on the CPU platform the hook changes neither."""
+    saying why, also when full CUDA graphs are asked for, and its dummy-layer cache limited to what the limits need.
+    Without the hook the same build captures graphs and compiles; on the CPU platform the hook changes neither."""
     run = subprocess.run([str(vllm_python()), str(HERE / "vllm_config_probe.py"), str(ckpt)], env=serve_env(tmp_path),
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -88,12 +88,15 @@ def test_cuda_engine_config_runs_eager_with_one_log_line(ckpt, tmp_path: Path) -
     assert (cuda["device"], cuda["enforce_eager"], cuda["cudagraph_mode"], cuda["compile_mode"],
             cuda["capture_sizes"]) == ("cuda", True, "NONE", "NONE", [])
     assert control["device"] == "cuda" and control["cudagraph_mode"] != "NONE" and control["compile_mode"] != "NONE"
+    asked = probe["cuda_full_graphs_asked"]   # -cc.cudagraph_mode=FULL: refused the same way
+    assert (asked["enforce_eager"], asked["cudagraph_mode"], asked["capture_sizes"]) == (True, "NONE", [])
     graphs = ("enforce_eager", "cudagraph_mode", "compile_mode", "capture_sizes")
     assert [probe["cpu"][k] for k in graphs] == [probe["cpu_without_hook"][k] for k in graphs]
     assert probe["cpu"]["device"] == "cpu" and probe["cpu"]["enforce_eager"] is False and probe["cpu"]["blocks"] is None
     # vLLM's own cache: the blocks max_num_seqs requests of max_model_len tokens need at 16 tokens a block
     assert cuda["blocks"] == cuda["max_num_seqs"] * -(-cuda["max_model_len"] // 16)
-    assert (run.stdout + run.stderr).count("hisparse: running eager (no CUDA graphs") == 1
+    # one line per CUDA config built with the hook (cuda, cuda_full_graphs_asked), none on the CPU
+    assert (run.stdout + run.stderr).count("hisparse: running eager (no CUDA graphs") == 2
 
 
 @pytest.mark.slow

