@@ -54,8 +54,8 @@ class HiSparseML4ForCausalLM(nn.Module):
             vllm_config.model_config.dtype, sc.max_num_seqs, vllm_config.model_config.max_model_len,
             sc.max_num_batched_tokens)
         logger.info("hisparse: device bytes of the latent store %s per request (working set + indexer keys of "
-                    "max_model_len tokens), %s in all at max_num_seqs = %d, held from vLLM's memory profile on "
-                    "(vLLM's KV cache is sized from the memory left)", f"{self.footprint.per_request:,}",
+                    "max_model_len tokens), %s in all at max_num_seqs = %d (on a GPU counted in vLLM's memory "
+                    "profile: vLLM's KV cache is sized from the memory left)", f"{self.footprint.per_request:,}",
                     f"{self.footprint.total:,}", sc.max_num_seqs)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
