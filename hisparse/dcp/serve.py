@@ -189,8 +189,8 @@ def rank_lines(cfg: ParallelConfig, ranks: list[RankInfo], pools: list[RankPool]
     """Startup lines: the split, each rank's weights, working set and host pool, and the totals."""
     lines = [f"{cfg.name}: {cfg.world_size} rank processes; collective timeout {cfg.timeout_s:g} s"]
     if cfg.tp_size > 1:
-        lines.append(f"TP: {cfg.tp_size} ranks, each 1/{cfg.tp_size} of the heads, FFNs and vocabulary and "
-                     f"{1}/{cfg.tp_size} of the routed experts (indexer, latent head and drafter replicated)")
+        lines.append(f"TP: {cfg.tp_size} ranks, each 1/{cfg.tp_size} of the heads, FFNs, vocabulary and routed "
+                     "experts (indexer, latent head and drafter replicated)")
     if isinstance(kv, ShardedKV):
         sh = kv.sharding
         lines.append(f"DCP: {sh.size} ranks, interleave {sh.interleave}: token p lives on rank floor(p / "

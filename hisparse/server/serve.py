@@ -65,7 +65,7 @@ class DrainingServer(uvicorn.Server):
 
 
 def is_loopback(host: str) -> bool:
-    """Whether `host` (an address or a name) only accepts connections from this machine."""
+    """Whether `host` (an address or a name) only accepts connections from the host it runs on."""
     if host == "localhost":
         return True
     try:

@@ -2,12 +2,11 @@
 inference path, and write a Mistral-native checkpoint (params.json, consolidated.safetensors, byte-level tekken).
 
 Deterministic for a seed: each stage runs on the recipe's thread count (Stage.threads), and two runs in one
-environment (`numeric_env`, recorded in the log's header) are bit-identical. A re-run two days after the shipped
-run diverged from it at step 79 and trained a weaker model. Changing only MKL's or ATen's kernel dispatch moves
-a run off this machine's trajectory at the same steps (79 or 88), so the shipped run's environment, which was not
-recorded, is the likely cause. The re-run's sparse-copy retrieved late, which the stages' gates (recipe.Gate)
-now catch by retrying: see docs/needle-model.md. Progress is a tqdm bar; every step appends a line to `train_log.jsonl`
-(loss, answer loss, indexer KL, answer exact match under teacher forcing, length, seconds).
+environment (`numeric_env`, recorded in the log's header) are bit-identical. Across environments a run is not:
+changing only MKL's or ATen's kernel dispatch moves a run off its trajectory (at steps 79 or 88 for seed 0), and a
+run in another environment can train a weaker model; the stages' gates (recipe.Gate) catch a sparse-copy stage
+that retrieves late by retrying it: see docs/needle-model.md. Progress is a tqdm bar; every step appends a line
+to `train_log.jsonl` (loss, answer loss, indexer KL, answer exact match under teacher forcing, length, seconds).
 """
 
 from __future__ import annotations
