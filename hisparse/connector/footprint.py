@@ -35,8 +35,8 @@ def device_footprint(cfg: ModelConfig, settings: KVSettings, dtype: torch.dtype,
     kv = replace(settings, host_pool_gib=0.01).build(cfg, "meta", dtype)   # the pool's size changes nothing here
     pages = -(-max_model_len // kv.page_tokens)
     per_request = pages * kv.index_keys.bytes_per_page()
-    if hasattr(kv, "arena"):
-        per_request += kv.arena.slot_bytes() + sum(h.nbytes_per_slot() for h in kv.hot.values())
+    if hasattr(kv, "working_set_bytes"):
+        per_request += kv.working_set_bytes()
     else:
         per_request += pages * kv.rows.bytes_per_page()
     kv.reserve_device(max_num_seqs, max_model_len, max_num_batched_tokens)

@@ -276,5 +276,13 @@ class HiSparseKV(LatentKV):
         """Device memory one request holds, by part (latent = window + hot slots; the rest is metadata)."""
         held = req in self.slot_of
         return {"latent": self.arena.slot_bytes() if held else 0,
-                "hot_metadata": sum(h.nbytes_per_slot() for h in self.hot.values()) if held else 0,
+                "hot_metadata": self.slot_metadata_bytes() if held else 0,
                 "index_keys": self.index_cache_bytes(req)}
+
+    def slot_metadata_bytes(self) -> int:
+        """Device bytes of one request slot's LRU metadata (positions and stamps of its hot slots, every group)."""
+        return sum(h.nbytes_per_slot() for h in self.hot.values())
+
+    def working_set_bytes(self) -> int:
+        """Device bytes one request's working set holds whatever its length: its arena slot and LRU metadata."""
+        return self.arena.slot_bytes() + self.slot_metadata_bytes()
