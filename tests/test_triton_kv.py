@@ -1,7 +1,8 @@
 """The Triton path end to end (`--kernels triton`): HiSparseKV and ResidentKV with the miss-path and sparse MLA
-kernels against their torch path on a tiny model. The miss path is exact, so the LRU decisions, hits, misses and
-copied bytes match the torch path's exactly; attention agrees within fp32 rounding, so the logits are close and
-the greedy tokens the same. Without CUDA the kernels run under Triton's interpreter (tests/conftest.py)."""
+kernels against their torch path on a tiny model, the two stores driven in lockstep by one forward (every layer
+of both sees the same rows, keys and queries: tests/lockstep.py). The miss path is exact, so selections, LRU
+decisions, hits, misses and copied bytes match the torch path's exactly; attention agrees within fp32 rounding.
+Without CUDA the kernels run under Triton's interpreter (tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from hisparse.gpu_working_set.kernels import triton_support
 from hisparse.model.kv import ResidentKV
 from hisparse.model.tiny import random_model
 from hisparse.model.config import preset_params
+
+from lockstep import LockstepKV
 
 runnable = triton_support.available() and (torch.cuda.is_available() or triton_support.interpreted())
 needs_kernels = pytest.mark.skipif(not runnable, reason="needs triton, and CUDA or the Triton interpreter")
@@ -34,10 +37,10 @@ def test_hisparse_triton_equals_torch(model, layout: str, index_cache: str, seed
     prompt = torch.randint(0, model.cfg.vocab_size, (90,), generator=torch.Generator().manual_seed(seed)).tolist()
     kvs = {k: HiSparseKV(model.cfg, layout, DEV, host_pool_gib=0.002, hot_buffer_tokens=10, resident_window=6,
                          page_tokens=16, kernels=k, index_cache=index_cache) for k in ("torch", "triton")}
-    runs = {k: greedy_generate(model, kv, prompt, 8, chunk=40, keep_logits=True) for k, kv in kvs.items()}
-    assert runs["triton"].tokens == runs["torch"].tokens
-    for a, b in zip(runs["triton"].logits, runs["torch"].logits):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    lockstep = LockstepKV(kvs["torch"], kvs["triton"])
+    greedy_generate(model, lockstep, prompt, 8, chunk=40)
+    assert lockstep.compared["attend"] == 10 * len(model.layers)     # 3 prefill chunks + 7 decode steps
+    assert lockstep.compared["select"] > 0
     t, r = kvs["triton"].stats, kvs["torch"].stats
     assert (t.hits, t.misses, t.host_to_device_bytes, t.overlapped_copies) == \
         (r.hits, r.misses, r.host_to_device_bytes, r.overlapped_copies)
@@ -54,21 +57,18 @@ def test_narrowed_rows_read_their_subset_of_the_plan(seed: int) -> None:
     prompt = torch.randint(0, model.cfg.vocab_size, (60,), generator=torch.Generator().manual_seed(seed)).tolist()
     kvs = {k: HiSparseKV(model.cfg, "fp8_ds_mla", DEV, host_pool_gib=0.002, hot_buffer_tokens=6, resident_window=4,
                          page_tokens=16, kernels=k) for k in ("torch", "triton")}
-    runs = {k: greedy_generate(model, kv, prompt, 3, chunk=30, keep_logits=True) for k, kv in kvs.items()}
-    assert runs["triton"].tokens == runs["torch"].tokens
-    for a, b in zip(runs["triton"].logits, runs["torch"].logits):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    lockstep = LockstepKV(kvs["torch"], kvs["triton"])
+    greedy_generate(model, lockstep, prompt, 3, chunk=30)
+    assert lockstep.compared["attend"] > 0
     assert kvs["triton"].stats.misses == kvs["torch"].stats.misses > 0
 
 
 @needs_kernels
 def test_resident_triton_equals_torch(model, seed: int) -> None:
     prompt = torch.randint(0, model.cfg.vocab_size, (50,), generator=torch.Generator().manual_seed(seed)).tolist()
-    runs = [greedy_generate(model, ResidentKV(model.cfg, "fp8_ds_mla", DEV, kernels=k), prompt, 4, chunk=25,
-                            keep_logits=True) for k in ("torch", "triton")]
-    assert runs[0].tokens == runs[1].tokens
-    for a, b in zip(*(r.logits for r in runs)):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    lockstep = LockstepKV(*(ResidentKV(model.cfg, "fp8_ds_mla", DEV, kernels=k) for k in ("torch", "triton")))
+    greedy_generate(model, lockstep, prompt, 4, chunk=25)
+    assert lockstep.compared["attend"] == 5 * len(model.layers)
 
 
 def test_kernels_setting() -> None:
