@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .engine.cuda_graphs import GRAPH_MODES
 from .engine.kv_settings import KVSettings, KVSettingsError
 from .host_pool.layout import LAYOUTS
 
@@ -230,6 +231,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="DCP: consecutive tokens per rank (I) (default: %(default)s)")
     p.add_argument("--dcp-timeout", type=float, default=DEFAULT_TIMEOUT_S,
                    help="DCP: seconds a collective may wait for a peer rank before the server fails "
+                        "(default: %(default)s)")
+    p.add_argument("--cuda-graph", choices=GRAPH_MODES, default="auto",
+                   help="decode steps as piecewise CUDA graphs at bucketed batch sizes (the KV seams run between "
+                        "them); auto: on CUDA with the Triton kernels on one rank; off: eager, for debugging "
                         "(default: %(default)s)")
     KVSettings.add_args(p)
     add_runtime_args(p)

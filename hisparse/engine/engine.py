@@ -29,6 +29,7 @@ from ..model.kv import KVStats, LatentKV
 from ..model.ml4 import ML4
 from .detokenizer import TextStream
 from .request import Request, RequestError, RequestOutput, SamplingParams, Status, TokenLogprobs
+from .cuda_graphs import DecodeGraphs
 from .runner import ModelRunner, SegmentOutput
 from .sampling import SamplingBatch, sample, token_logprobs
 from .scheduler import Scheduler, SchedulerConfig
@@ -64,13 +65,14 @@ class StepStats:
 
 class Engine:
     """`speculative`: DSpark speculative decoding (None: off); `proposer` overrides the checkpoint's drafter
-    (tests and benchmarks: an oracle)."""
+    (tests and benchmarks: an oracle); `graphs`: piecewise CUDA graphs for decode steps (None: eager)."""
     idle_s: float | None = None   # run_forever calls idle() after this long without work (None: it just waits)
 
     def __init__(self, model: ML4, kv: LatentKV, cfg: SchedulerConfig, eos_id: int | None = None,
                  decode: Callable[[list[int]], str] | None = None, speculative: SpeculativeConfig | None = None,
-                 proposer: Proposer | None = None):
+                 proposer: Proposer | None = None, graphs: DecodeGraphs | None = None):
         self.model, self.kv = model, kv
+        self.graphs = graphs
         self.speculator: Speculator | None = None
         if speculative is not None:
             window = model.cfg.mtp.sliding_window if model.cfg.mtp is not None else None
@@ -97,7 +99,7 @@ class Engine:
         return Speculator(config, proposer, kv, window)
 
     def make_runner(self, model: ML4, kv: LatentKV, tap_layers: tuple[int, ...]) -> ModelRunner:
-        return ModelRunner(model, kv, tap_layers)
+        return ModelRunner(model, kv, tap_layers, self.graphs)
 
     # ---- submission (any thread) ----
     def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,

@@ -10,6 +10,7 @@ from ..dcp.group import DCPError
 from ..model.batch import ForwardTrace, Segment
 from ..model.kv import LatentKV
 from ..model.ml4 import ML4
+from .cuda_graphs import DecodeGraphs
 from .request import Request
 
 
@@ -85,10 +86,12 @@ def row_index(lengths: list[int], counts: list[int]) -> torch.Tensor:
 
 class ModelRunner:
     """Owns the model and the KV store; used only from the engine thread. `tap_layers`: layers whose hidden
-    states every forward returns per segment (the drafter's context path)."""
+    states every forward returns per segment (the drafter's context path); `graphs`: runs the decode steps it
+    handles (piecewise CUDA graphs), every other step runs the model's forward."""
 
-    def __init__(self, model: ML4, kv: LatentKV, tap_layers: tuple[int, ...] = ()):
-        self.model, self.kv, self.tap_layers = model, kv, tuple(tap_layers)
+    def __init__(self, model: ML4, kv: LatentKV, tap_layers: tuple[int, ...] = (),
+                 graphs: DecodeGraphs | None = None):
+        self.model, self.kv, self.tap_layers, self.graphs = model, kv, tuple(tap_layers), graphs
 
     def forward(self, step: ScheduledStep, indices: list[int]) -> list[SegmentOutput]:
         """One forward over `step`; a SegmentOutput per segment (indices: their indices in the full step)."""
@@ -98,7 +101,10 @@ class ModelRunner:
         at = row_index(lengths, counts).to(dev)
         trace = ForwardTrace(tap_layers=self.tap_layers) if self.tap_layers else None
         tokens = torch.tensor(step.token_ids(), dtype=torch.long, device=dev)
-        logits = self.model(tokens, step.segments, self.kv, logits_at=at, trace=trace).split(counts)
+        if self.graphs is not None and self.graphs.handles(step.segments, counts):
+            logits = self.graphs.forward(tokens, step.segments, self.kv, trace).split(counts)
+        else:
+            logits = self.model(tokens, step.segments, self.kv, logits_at=at, trace=trace).split(counts)
         taps = {l: h.split(lengths) for l, h in trace.taps.items()} if trace is not None else {}
         return [SegmentOutput(i, r, s, lg[len(lg) - k:] if k else None, {l: t[j] for l, t in taps.items()},
                               lg if n > k else None)

@@ -42,6 +42,15 @@ class AttentionBatch:
             self.sin[keep]
 
 
+@dataclass
+class Queries:
+    """One layer's query side for the seam."""
+    q_lat: torch.Tensor                          # [N, H, r] absorbed queries (SSMax gain applied)
+    q_rope: torch.Tensor | None                  # [N, H, dR] (None on NoPE layers)
+    index_q: torch.Tensor | None                 # [N, HI, dI] indexer queries (index owner)
+    index_w: torch.Tensor | None                 # [N, HI] indexer head weights
+
+
 class MLA(nn.Module):
     """One layer's attention: `layers.N.attention.*`."""
 
@@ -70,49 +79,74 @@ class MLA(nn.Module):
             return b.cos, b.sin
         return rope_cos_sin(rope_frequencies(self.cfg, self.lerope.alpha), b.positions, b.cos.dtype)
 
-    def write(self, x: torch.Tensor, b: AttentionBatch, cos: torch.Tensor | None, sin: torch.Tensor | None) -> None:
-        """Cache what this layer contributes for every row of x [N, D]: latents (KV owner), indexer keys (owner)."""
+    # A layer runs as dense projections (`cache_rows`, `queries`), the KV seam (`store`, `attend`: every call
+    # that reads or writes LatentKV) and a dense output (`output`). The dense parts have the batch's static shapes;
+    # CUDA graphs capture them and run the seam between them (hisparse.engine.cuda_graphs).
+    def cache_rows(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None
+                   ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """What this layer caches for every row of x [N, D]: latent rows [N, r + dR] (KV owner: c = RMSNorm(a[:r]),
+        k_rope = R(p) a[r:], zeros on NoPE layers) and indexer keys [N, dI] (index owner); None where it caches
+        nothing."""
+        rows = keys = None
         if self.spec.kv_owner:
-            self.write_latents(x, b, cos, sin)
+            r = self.cfg.kv_lora_rank
+            a = self.wkv_a_with_mqa(x)
+            c = self.kv_a_norm(a[:, :r])
+            k_rope = apply_rope(a[:, r:], cos, sin) if self.spec.rope else c.new_zeros(c.shape[0],
+                                                                                      self.cfg.qk_rope_head_dim)
+            rows = torch.cat((c, k_rope), dim=-1)
         if self.indexer is not None:
-            b.kv.write_keys(self.spec.index, b.seg, b.positions, self.indexer.keys(x, cos, sin))   # [N, dI]
+            keys = self.indexer.keys(x, cos, sin)
+        return rows, keys
 
-    def forward(self, x: torch.Tensor, b: AttentionBatch, cos: torch.Tensor | None,
-                sin: torch.Tensor | None) -> torch.Tensor:   # x [N, D], cos/sin [N, dR/2] -> [N, D]
-        """Attention of the query rows x (after `write`: a query sees its own position's latent and key)."""
+    def store(self, rows: torch.Tensor | None, keys: torch.Tensor | None, b: AttentionBatch) -> None:
+        """Seam: write `cache_rows`' rows and keys for every row of the batch."""
+        if rows is not None:
+            b.kv.write(self.spec.index, b.seg, b.positions, rows)
+        if keys is not None:
+            b.kv.write_keys(self.spec.index, b.seg, b.positions, keys)
+
+    def queries(self, x: torch.Tensor, b: AttentionBatch, cos: torch.Tensor | None, sin: torch.Tensor | None
+                ) -> Queries:
+        """Every query row's absorbed query and (index owner) indexer query, from x [N, D]."""
         cfg, spec = self.cfg, self.spec
-        H, dN, r = self.n_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
+        H, dN = self.n_heads, cfg.qk_nope_head_dim
         q = self.wq(x).view(-1, H, self.q_head_dim)
         q_nope, q_rope = q[..., :dN], (apply_rope(q[..., dN:], cos, sin) if spec.rope else None)
         if self.ssmax_scaling is not None:
             g = ssmax_gain(self.ssmax_scaling, b.positions, x.dtype)[..., None]    # [N, H, 1]
             q_nope, q_rope = q_nope * g, (q_rope * g if q_rope is not None else None)
-        selections = self.select(x, b, cos, sin)                                  # [N, k]
-        w_kvb = self.wkv_b.dequantized(x.dtype).view(H, dN + cfg.v_head_dim, r)   # [H, dN + dV, r]
-        q_lat = torch.einsum("thd,hdc->thc", q_nope, w_kvb[:, :dN])                 # [N, H, r]
-        olat, _ = b.kv.attend(spec.index, q_lat, q_rope, b.seg, selections, self.scale)
-        o = torch.einsum("thc,hvc->thv", olat, w_kvb[:, dN:])                        # [N, H, dV]
-        return self.wo(o.flatten(1))
+        q_lat = torch.einsum("thd,hdc->thc", q_nope, self.w_kvb(x.dtype)[:, :dN])    # [N, H, r]
+        index_q = index_w = None
+        if self.indexer is not None:
+            index_q, index_w = self.indexer.queries(x, b.positions, cos, sin)          # [N, HI, dI], [N, HI]
+        return Queries(q_lat, q_rope, index_q, index_w)
 
-    def write_latents(self, x: torch.Tensor, b: AttentionBatch, cos: torch.Tensor | None,
-                      sin: torch.Tensor | None) -> None:
-        """KV owner: c = RMSNorm(a[:r]), k_rope = R(p) a[r:] (zeros on NoPE layers) -> LatentKV."""
-        r = self.cfg.kv_lora_rank
-        a = self.wkv_a_with_mqa(x)
-        c = self.kv_a_norm(a[:, :r])
-        k_rope = apply_rope(a[:, r:], cos, sin) if self.spec.rope else c.new_zeros(c.shape[0],
-                                                                                  self.cfg.qk_rope_head_dim)
-        b.kv.write(self.spec.index, b.seg, b.positions, torch.cat((c, k_rope), dim=-1))
-
-    def select(self, x: torch.Tensor, b: AttentionBatch, cos: torch.Tensor | None,
-               sin: torch.Tensor | None) -> torch.Tensor:
-        """Top-k positions [N, k] of every query row: own indexer, or the source owner's selection (sharer)."""
+    def attend(self, q: Queries, b: AttentionBatch) -> torch.Tensor:
+        """Seam: select every query row's top-k (own indexer, or the source owner's selection) and run sparse MLA
+        over it: olat [N, H, r]."""
         if self.indexer is None:
             sel = b.selections[self.spec.index_source]
         else:
-            q, w = self.indexer.queries(x, b.positions, cos, sin)
-            sel = b.selections[self.spec.index] = b.kv.select(self.spec.index, self.indexer, q, w, b.seg,
-                                                              b.positions)
+            sel = b.selections[self.spec.index] = b.kv.select(self.spec.index, self.indexer, q.index_q, q.index_w,
+                                                              b.seg, b.positions)
         if b.trace is not None:
             b.trace.selections[self.spec.index] = sel
-        return sel
+        olat, _ = b.kv.attend(self.spec.index, q.q_lat, q.q_rope, b.seg, sel, self.scale)
+        return olat
+
+    def forward(self, x: torch.Tensor, b: AttentionBatch, cos: torch.Tensor | None,
+                sin: torch.Tensor | None) -> torch.Tensor:   # x [N, D], cos/sin [N, dR/2] -> [N, D]
+        """Attention of the query rows x (after `store`: a query sees its own position's latent and key)."""
+        return self.output(self.attend(self.queries(x, b, cos, sin), b))
+
+    def output(self, olat: torch.Tensor) -> torch.Tensor:
+        """olat [N, H, r] -> the layer's attention output [N, D]."""
+        o = torch.einsum("thc,hvc->thv", olat, self.w_kvb(olat.dtype)[:, self.cfg.qk_nope_head_dim:])   # [N, H, dV]
+        return self.wo(o.flatten(1))
+
+    def w_kvb(self, dtype: torch.dtype) -> torch.Tensor:
+        """wkv_b as [H, dN + dV, r] in `dtype`."""
+        cfg = self.cfg
+        return self.wkv_b.dequantized(dtype).view(self.n_heads, cfg.qk_nope_head_dim + cfg.v_head_dim,
+                                                  cfg.kv_lora_rank)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .attention import MLA, AttentionBatch
+from .attention import MLA, AttentionBatch, Queries
 from .batch import ForwardTrace, Segment, segment_positions
 from .config import LayerSpec, ModelConfig
 from .dspark import DSpark
@@ -33,16 +33,39 @@ class Block(nn.Module):
     def forward(self, h: torch.Tensor, b: AttentionBatch, keep: torch.Tensor | None = None) -> torch.Tensor:
         """h [N, D] -> [N, D]; with `keep` (ascending row indices), the layer caches every row but computes only
         the kept ones -> [len(keep), D], and narrows `b` to them for the layers after it."""
+        attn = self.attention
         x = self.attention_norm(h)
-        cos, sin = self.attention.rope_tables(b)
-        self.attention.write(x, b, cos, sin)
+        cos, sin = attn.rope_tables(b)
+        attn.store(*attn.cache_rows(x, cos, sin), b)
         if keep is not None:
             h, x = h[keep], x[keep]
             cos, sin = (None, None) if cos is None else (cos[keep], sin[keep])
             b.narrow_(keep)
         if not h.shape[0]:       # no row left to compute (a prefill chunk that needs no logits)
             return h
-        h = h + self.attention(x, b, cos, sin)
+        return self.feed_forward_residual(h + attn(x, b, cos, sin))
+
+    # The layer in the three parts a piecewise CUDA graph runs (hisparse.engine.cuda_graphs): `project` and
+    # `finish` are dense with the batch's static shapes, `seam` makes every LatentKV call.
+    def project(self, h: torch.Tensor, b: AttentionBatch
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None, Queries]:
+        """h [N, D] -> what the seam needs: latent rows, indexer keys (None where not cached), queries."""
+        x = self.attention_norm(h)
+        cos, sin = self.attention.rope_tables(b)
+        return *self.attention.cache_rows(x, cos, sin), self.attention.queries(x, b, cos, sin)
+
+    def seam(self, rows: torch.Tensor | None, keys: torch.Tensor | None, q: Queries, b: AttentionBatch
+             ) -> torch.Tensor:
+        """Store this layer's rows and keys, then attend: olat [N, H, r]."""
+        self.attention.store(rows, keys, b)
+        return self.attention.attend(q, b)
+
+    def finish(self, h: torch.Tensor, olat: torch.Tensor) -> torch.Tensor:
+        """Residual stream h [N, D] and the seam's olat [N, H, r] -> the layer's output [N, D]."""
+        return self.feed_forward_residual(h + self.attention.output(olat))
+
+    def feed_forward_residual(self, h: torch.Tensor) -> torch.Tensor:
+        """h + FFN(norm(h)): the dense or MoE half of the layer, [N, D] -> [N, D]."""
         ffn = self.feed_forward if self.spec.ffn == "dense" else self.moe
         return h + ffn(self.ffn_norm(h))
 
@@ -75,6 +98,10 @@ class ML4(nn.Module):
             if block.spec.ffn != "dense":
                 block.moe.kernels = path
 
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The global LeRoPE tables (cos, sin) [N, dR/2] of positions [N]."""
+        return rope_cos_sin(rope_frequencies(self.cfg, self.lerope.alpha), positions, self.dtype)
+
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm, output head and soft cap: h [n, D] -> logits [n, V] (fp32, or fp64 in tests)."""
         x = self.norm(h)
@@ -94,7 +121,7 @@ class ML4(nn.Module):
         not per token. A trace observes every row, so a traced forward computes them all.
         """
         positions, seg = segment_positions(segments, self.device)
-        cos, sin = rope_cos_sin(rope_frequencies(self.cfg, self.lerope.alpha), positions, self.dtype)
+        cos, sin = self.rope(positions)
         b = AttentionBatch(positions, seg, kv, cos, sin, {}, trace)
         keep, rows = None, logits_at                  # rows: logits_at as indices into the final h
         if logits_at is not None and trace is None:

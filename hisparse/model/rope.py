@@ -6,6 +6,7 @@ Pairs are interleaved (u_{2j}, u_{2j+1}) for MLA; the indexer may use NeoX halve
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -30,9 +31,16 @@ def yarn_frequencies(cfg: ModelConfig) -> torch.Tensor:
     return (1 - rho) * omega0 + rho * omega0 / yarn.factor
 
 
+@functools.lru_cache(maxsize=16)
+def _yarn_on(cfg: ModelConfig, device: torch.device) -> torch.Tensor:
+    """yarn_frequencies(cfg) on `device`, made once: a forward then needs no host-to-device copy (which a CUDA
+    graph could not capture)."""
+    return yarn_frequencies(cfg).to(device)
+
+
 def rope_frequencies(cfg: ModelConfig, lerope_alpha: torch.Tensor) -> torch.Tensor:
     """omega_j = omega^Y_j * exp(alpha_j) (LeRoPE: frequencies divided by exp(-alpha)), fp64 [dR/2]."""
-    return yarn_frequencies(cfg).to(lerope_alpha.device) * torch.exp(lerope_alpha.detach().to(torch.float64))
+    return _yarn_on(cfg, lerope_alpha.device) * torch.exp(lerope_alpha.detach().to(torch.float64))
 
 
 def rope_cos_sin(omega: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

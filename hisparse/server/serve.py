@@ -24,6 +24,7 @@ from ..dcp.replica import own_store
 from ..dcp.leader import DCPEngine
 from ..dcp.serve import (DCPStartError, FollowerRanks, ParallelConfig, join_rank, load_rank, rank_lines,
                          run_follower)
+from ..engine.cuda_graphs import DecodeGraphs, GraphSettingError, graphs_wanted
 from ..engine.engine import Engine
 from ..parallel.tp import check_splits
 from ..engine.kv_settings import KVSettings
@@ -109,14 +110,14 @@ def speculative_lines(spec: SpeculativeConfig, model: ML4) -> list[str]:
 
 def build_engine(model: ML4, kv: LatentKV, tokenizer, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int, speculative: SpeculativeConfig | None = None,
-                 group: DCPGroup | None = None, tp_size: int = 1) -> Engine:
+                 group: DCPGroup | None = None, tp_size: int = 1, graphs: DecodeGraphs | None = None) -> Engine:
     """The engine (rank 0's DCPEngine when `group`, the parallel group, is given)."""
     inner = tokenizer.instruct_tokenizer.tokenizer
     per_seq = 1 + (speculative.num_speculative_tokens if speculative else 0)   # every decode fits, drafts included
     cfg = SchedulerConfig(max_model_len, max_num_seqs, max(max_num_batched_tokens, max_num_seqs * per_seq))
     kwargs = dict(eos_id=inner.eos_id, decode=inner.decode, speculative=speculative)
     if group is None:
-        return Engine(model, kv, cfg, **kwargs)
+        return Engine(model, kv, cfg, graphs=graphs, **kwargs)
     return DCPEngine(model, kv, group, cfg, lockstep_drafts=tp_size > 1, **kwargs)
 
 
@@ -138,6 +139,10 @@ def serve(args: argparse.Namespace, model_dir: Path, dtype: torch.dtype, kv_sett
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     speculative = speculative_config(args.speculative_config, model_dir)
     par = parallel_config(args)
+    try:
+        graphs_wanted(args.cuda_graph, args.device, kv_settings.kernel_path(args.device), par is not None)
+    except GraphSettingError as e:
+        raise SystemExit(str(e)) from None
     if par is not None and par.tp_size > 1:   # before any rank process starts
         try:
             check_splits(ModelConfig.load(model_dir), par.tp_size)
@@ -193,8 +198,11 @@ def _serve(args: argparse.Namespace, model_dir: Path, dtype: torch.dtype, kv_set
     if not kv.can_ever_admit(max_model_len):
         raise SystemExit(f"--max-model-len {max_model_len} does not fit in the KV cache ({cap:,} tokens); "
                          "raise --host-pool-gib or lower --max-model-len")
+    graphs = None
+    if graphs_wanted(args.cuda_graph, args.device, kv_settings.kernel_path(args.device), par is not None):
+        graphs = DecodeGraphs(model, args.max_num_seqs, capture=True)
     engine = build_engine(model, kv, tokenizer, max_model_len, args.max_num_seqs, args.max_num_batched_tokens,
-                          speculative, group, par.tp_size if par is not None else 1)
+                          speculative, group, par.tp_size if par is not None else 1, graphs)
     name = args.served_model_name or model_dir.name
     app = build_app(engine, tokenizer, ServerConfig(name, max_model_len, args.api_key, args.debug_hooks,
                                                     args.max_request_bytes, args.read_timeout))
