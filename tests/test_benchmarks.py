@@ -51,13 +51,15 @@ def test_node_table_reproduces_the_spec_arithmetic(tmp_path: Path) -> None:
 
 
 def test_gpu_benchmark_runs_its_cpu_smoke_and_measures_overlap(tmp_path: Path) -> None:
-    """benchmarks/gpu/run.py --quick on the CPU: P3 and P5 from a real throughput run, the profiled decode path
-    traced (P2 and P6 need a GPU and say so); the overlap arithmetic on a known timeline."""
+    """benchmarks/gpu/run.py --quick on the CPU: P3 and P5 from a real throughput run, P7 with uncaptured
+    pieces, the profiled decode path traced (P2 and P6 need a GPU and say so); the overlap arithmetic on a known
+    timeline."""
     from benchmarks.gpu.run import overlap_share
     subprocess.run([sys.executable, "-m", "benchmarks.gpu.run", "--quick", "--device", "cpu", "--out", str(tmp_path)],
                    cwd=ROOT, check=True, capture_output=True, text=True, timeout=600)
     r = json.loads((tmp_path / "gpu.json").read_text())
     assert r["P3_step_ratio_batch1"] > 0 and r["P5_tokens_per_s_ratio"] > 0
+    assert r["P7_graph_over_eager_batch16"] > 0 and r["P7_detail"]["captured"] is False
     assert r["P2_miss_path_over_memcpy"] is None and "need CUDA" in r["P2_P6_note"]
     assert r["trace_smoke"]["h2d_bytes"] > 0 and r["trace_smoke"]["events"] > 0
     copy = {"cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": 0, "dur": 10, "args": {"stream": 7}}

@@ -5,11 +5,14 @@
   P3  decode step time at batch 1, HiSparse / all-resident (the cost of offloading one request);
   P5  decode tokens/s at a fixed device budget at saturation, HiSparse / all-resident (benchmarks/throughput);
   P6  share of the torch path's side-stream miss copies (cudaMemcpy host -> device) that overlaps kernels on
-      other streams (copies hidden behind compute).
+      other streams (copies hidden behind compute);
+  P7  decode step time with piecewise CUDA graphs over eager (`--cuda-graph on` / `off`), HiSparse with the
+      Triton kernels, at batch 1 and 16.
 
 P3 and P5 come from `benchmarks/throughput/run.py` on the device; P2 and P6 from a torch.profiler trace of
 HiSparse decode steps (kernels and copies with their streams, from the trace's JSON). Without CUDA, `--quick`
-runs P3 and P5 on the CPU at small sizes (a smoke run of the script) and reports P2 and P6 as needing CUDA.
+runs P3, P5 and P7 (uncaptured pieces) on the CPU at small sizes (a smoke run of the script) and reports P2 and
+P6 as needing CUDA.
 
     benchmarks/gpu/run.sh [--out benchmarks/results/gpu]           # on a machine with a GPU
     python -m benchmarks.gpu.run --quick --device cpu --out DIR     # the CPU smoke run
@@ -28,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from hisparse.engine.cuda_graphs import DecodeGraphs
 from hisparse.engine.engine import Engine
 from hisparse.engine.kv_settings import KVSettings
 from hisparse.engine.request import SamplingParams
@@ -81,6 +85,41 @@ def decode_trace(kernels: str, device: str, prompt_len: int, steps: int, trace: 
             "misses": kv.stats.misses - before.misses}
 
 
+def graph_steps(device: str, quick: bool) -> dict:
+    """P7: mean decode step time (ms) with piecewise CUDA graphs and eager, at batch 1 and 16 (same prompts)."""
+    cuda = torch.device(device).type == "cuda"
+    preset, prompt_len, steps = ("tiny", 64, 2) if quick else ("small", 2048, 16)
+    model = random_model(preset_params(preset), 0).to(device)
+    settings = KVSettings(host_pool_gib=4.0, hot_buffer_tokens=256, resident_window=64,
+                          kernels="triton" if cuda else "torch")
+    model.use_kernels(settings.kernel_path(device))
+    graphs = DecodeGraphs(model, 16, capture=cuda)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, model.cfg.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(16)]
+    out: dict = {}
+    for batch in (1, 16):
+        for name, decode in (("graphs", graphs), ("eager", None)):
+            eng = Engine(model, settings.build(model.cfg, device), graphs=decode,
+                         cfg=SchedulerConfig(max_model_len=prompt_len + 64, max_num_seqs=batch,
+                                             max_num_batched_tokens=4096))
+            for p in prompts[:batch]:
+                eng.add_request(p, SamplingParams(max_tokens=steps + 8, temperature=0.0))
+            while not ((st := eng.step()).prompt_tokens == 0 and st.generation_tokens):   # prefill everything
+                pass
+            eng.step()
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                eng.step()
+            if cuda:
+                torch.cuda.synchronize()
+            out[f"{name}_ms_batch{batch}"] = (time.perf_counter() - t0) / steps * 1e3
+    return {"P7_graph_over_eager_batch1": out["graphs_ms_batch1"] / out["eager_ms_batch1"],
+            "P7_graph_over_eager_batch16": out["graphs_ms_batch16"] / out["eager_ms_batch16"],
+            "P7_detail": {**out, "captured": cuda, "preset": preset, "prompt_len": prompt_len}}
+
+
 def trace_events(trace: Path) -> list[dict]:
     return [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
 
@@ -130,10 +169,11 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    result = {"benchmark": "GPU figures P2 P3 P5 P6", "device": args.device,
+    result = {"benchmark": "GPU figures P2 P3 P5 P6 P7", "device": args.device,
               "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
               "machine": platform.processor() or platform.machine(), "quick": args.quick}
     result.update(throughput(args.device, args.quick, out))
+    result.update(graph_steps(args.device, args.quick))
     if args.device.startswith("cuda"):
         with tempfile.TemporaryDirectory() as tmp:
             triton_trace, torch_trace = Path(tmp) / "triton.json", Path(tmp) / "torch.json"
