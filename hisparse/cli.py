@@ -234,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: %(default)s)")
     p.add_argument("--cuda-graph", choices=GRAPH_MODES, default="auto",
                    help="decode steps as piecewise CUDA graphs at bucketed batch sizes (the KV seams run between "
-                        "them); auto: on CUDA with the Triton kernels on one rank; off: eager, for debugging "
+                        "them); auto: on CUDA with the Triton kernels; off: eager, for debugging "
                         "(default: %(default)s)")
     KVSettings.add_args(p)
     add_runtime_args(p)

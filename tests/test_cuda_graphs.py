@@ -8,10 +8,15 @@ CUDA graph needs to replay it). With CUDA, capture + replay is checked against e
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from hisparse.dcp.context import DCPContext
+from hisparse.dcp.kv import ShardedKV
+from hisparse.dcp.launch import launch
 from hisparse.engine.cuda_graphs import DecodeGraphs, GraphSettingError, bucket_sizes, graphs_wanted
 from hisparse.engine.engine import Engine
 from hisparse.engine.generate import prefill
@@ -23,7 +28,11 @@ from hisparse.model.batch import Segment
 from hisparse.model.config import preset_params
 from hisparse.model.kv import ResidentKV
 from hisparse.model.tiny import random_model
+from hisparse.model.weights import load_model, save_model
+from hisparse.parallel.tp import shard_for
 
+from conftest import tiny_model
+from test_dcp import hisparse_kv
 from test_host_sync import SYNC_OPS
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -158,20 +167,46 @@ def test_engine_decodes_through_the_graphs(model, seed: int) -> None:
     assert graphs.steps >= 5          # the decode steps after the prompts' last chunks
 
 
+def parallel_rank(group, ckpt: str, seed: int) -> dict:
+    """On this rank of TP2 (TP2 + DCP2: the seams' collectives too): plain vs piecewise decode steps of 2
+    requests, each on its own HiSparse store; the pieces' all-reduces run in the same order on both ranks."""
+    out = {}
+    for dcp in (1, 2):
+        model = load_model(Path(ckpt), dtype=torch.float32, shard=shard_for(group), progress=False)
+        ctx = DCPContext(group, 1, heads_split=True)
+        make = (lambda: ShardedKV(hisparse_kv(model), ctx)) if dcp > 1 else (lambda: hisparse_kv(model))
+        graphs = DecodeGraphs(model, 2, capture=False)
+        out[dcp] = [(plain, piecewise) for plain, piecewise in decode_both(model, make, graphs, 2, 3, seed)]
+    return out
+
+
+def test_tensor_parallel_piecewise_equals_the_forward(tmp_path, seed: int) -> None:
+    """TP2 and TP2 + DCP2 on 2 processes: every rank's piecewise decode logits are bit-identical to its plain
+    forward's, and both ranks hold the same logits."""
+    save_model(tiny_model(seed, torch.float32, sharp=False), tmp_path / "ckpt")
+    ranks = launch(parallel_rank, 2, str(tmp_path / "ckpt"), seed, threads=1, timeout_s=60.0, deadline_s=600.0)
+    for dcp in (1, 2):
+        for r in ranks:
+            assert len(r[dcp]) == 3
+            for plain, piecewise in r[dcp]:
+                assert torch.equal(plain, piecewise), f"DCP {dcp}"
+        assert all(torch.equal(a[0], b[0]) for a, b in zip(ranks[0][dcp], ranks[1][dcp]))
+
+
 def test_graph_settings() -> None:
     assert bucket_sizes(1) == [1]
     assert bucket_sizes(20) == [1, 2, 4, 8, 16, 20]
     assert bucket_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
-    assert not graphs_wanted("auto", "cpu", "torch", False)
-    assert graphs_wanted("auto", "cuda", "triton", False)
-    assert not graphs_wanted("auto", "cuda", "triton", True)
-    assert not graphs_wanted("off", "cuda", "triton", False)
+    assert not graphs_wanted("auto", "cpu", "torch")
+    assert graphs_wanted("auto", "cuda", "triton") and graphs_wanted("on", "cuda", "triton")
+    assert not graphs_wanted("auto", "cuda", "torch")
+    assert not graphs_wanted("off", "cuda", "triton")
     with pytest.raises(GraphSettingError, match="--cuda-graph on: needs a CUDA device"):
-        graphs_wanted("on", "cpu", "triton", False)
+        graphs_wanted("on", "cpu", "triton")
     with pytest.raises(GraphSettingError, match="--kernels triton"):
-        graphs_wanted("on", "cuda", "torch", False)
+        graphs_wanted("on", "cuda", "torch")
     with pytest.raises(GraphSettingError, match="must be one of"):
-        graphs_wanted("yes", "cuda", "triton", False)
+        graphs_wanted("yes", "cuda", "triton")
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and triton_support.available()),

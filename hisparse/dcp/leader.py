@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from ..engine.cuda_graphs import DecodeGraphs
 from ..engine.engine import Engine
 from ..engine.request import Request, TokenLogprobs
 from ..engine.runner import ModelRunner, ScheduledStep, SegmentOutput, StepResult
@@ -48,8 +49,9 @@ class Leader:
 
 
 class LeaderRunner(ModelRunner):
-    def __init__(self, leader: Leader, model: ML4, kv: LatentKV, tap_layers: tuple[int, ...]):
-        super().__init__(model, kv, tap_layers)
+    def __init__(self, leader: Leader, model: ML4, kv: LatentKV, tap_layers: tuple[int, ...],
+                 graphs: DecodeGraphs | None = None):
+        super().__init__(model, kv, tap_layers, graphs)
         self.leader = leader
 
     def execute(self, step: ScheduledStep) -> StepResult:
@@ -114,7 +116,7 @@ class DCPEngine(Engine):
         return LeaderSpeculator(self.leader, config, proposer, kv, window)
 
     def make_runner(self, model: ML4, kv: LatentKV, tap_layers: tuple[int, ...]) -> ModelRunner:
-        return LeaderRunner(self.leader, model, kv, tap_layers)
+        return LeaderRunner(self.leader, model, kv, tap_layers, self.graphs)
 
     def _preempted(self, req: Request) -> None:
         self.leader.record(("release", req.id))

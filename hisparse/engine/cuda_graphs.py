@@ -38,15 +38,14 @@ class GraphSettingError(ValueError):
     """`--cuda-graph` cannot be honoured as given."""
 
 
-def graphs_wanted(mode: str, device: torch.device | str, kernels: str, parallel: bool) -> bool:
-    """Whether decode runs piecewise CUDA graphs: 'auto' on CUDA with the Triton kernels on one rank; 'on' the
-    same or an error saying what is missing; 'off' never."""
+def graphs_wanted(mode: str, device: torch.device | str, kernels: str) -> bool:
+    """Whether decode runs piecewise CUDA graphs: 'auto' on CUDA with the Triton kernels; 'on' the same or an
+    error saying what is missing; 'off' never."""
     if mode not in GRAPH_MODES:
         raise GraphSettingError(f"--cuda-graph: must be one of {list(GRAPH_MODES)}, got {mode!r}")
     missing = [why for bad, why in ((torch.device(device).type != "cuda", "a CUDA device"),
                                     (kernels != "triton", "--kernels triton (the torch MoE reads routing counts on "
-                                                          "the host)"),
-                                    (parallel, "one rank (not yet under -tp/-dcp)")) if bad]
+                                                          "the host)")) if bad]
     if mode == "on" and missing:
         raise GraphSettingError(f"--cuda-graph on: needs {' and '.join(missing)}")
     return mode != "off" and not missing
