@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from hisparse.engine.cuda_graphs import GRAPH_MODES, DecodeGraphs, graphs_wanted
 from hisparse.engine.engine import Engine
 from hisparse.engine.kv_settings import KVSettings
 from hisparse.engine.request import SamplingParams
@@ -79,6 +80,8 @@ def main() -> None:
     ap.add_argument("--decode-steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     KVSettings.add_args(ap, ["layout", "hot_buffer_tokens", "resident_window", "page_tokens"])
+    ap.add_argument("--cuda-graph", choices=GRAPH_MODES, default="auto",
+                    help="decode steps as piecewise CUDA graphs (one set for every engine: they hold no KV)")
     ap.add_argument("--chunk", type=int, default=1024, help="max tokens per forward (prefill chunk budget)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--threads", type=int, default=None)
@@ -107,6 +110,10 @@ def main() -> None:
     def hisparse_kv():
         return settings.build(cfg, args.device)
 
+    graphs = None
+    if graphs_wanted(args.cuda_graph, args.device, settings.kernel_path(args.device)):
+        graphs = DecodeGraphs(model, max(conc), capture=True)
+
     # HiSparse device bytes per request, measured on one running request
     kv = hisparse_kv()
     eng = Engine(model, kv, SchedulerConfig(max_num_seqs=1, **sched))
@@ -132,7 +139,7 @@ def main() -> None:
             else:
                 kv = ResidentKV(cfg, settings.layout, args.device, page_tokens=page)
                 seqs = min(c, limits["hisparse"])
-            eng = Engine(model, kv, SchedulerConfig(max_num_seqs=max(1, seqs), **sched))
+            eng = Engine(model, kv, SchedulerConfig(max_num_seqs=max(1, seqs), **sched), graphs=graphs)
             r = measure(eng, prompts[:c], params, args.warmup, args.decode_steps)
             r.update(mode=mode, concurrency=c)
             rows.append(r)
@@ -143,6 +150,7 @@ def main() -> None:
         "benchmark": "decode tokens/s vs concurrency at a fixed device budget", "preset": args.preset,
         "prompt_len": args.prompt_len, "kv_layout": args.kv_layout, "device": args.device,
         "machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+        "cuda_graphs": graphs is not None,
         "device_budget_bytes": budget, "bytes_per_request": {"none": none_req, "hisparse": hs_req},
         "hisparse_device_bytes_measured": seen, "max_concurrent": limits, "rows": rows})
     out = Path(args.out)
