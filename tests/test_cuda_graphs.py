@@ -17,7 +17,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from hisparse.dcp.context import DCPContext
 from hisparse.dcp.kv import ShardedKV
 from hisparse.dcp.launch import launch
-from hisparse.engine.cuda_graphs import DecodeGraphs, GraphSettingError, bucket_sizes, graphs_wanted
+from hisparse.engine.cuda_graphs import (DecodeGraphs, GraphSettingError, bucket_sizes, capture_graphs,
+                                        graphs_wanted)
 from hisparse.engine.engine import Engine
 from hisparse.engine.generate import prefill
 from hisparse.engine.request import SamplingParams
@@ -191,6 +192,17 @@ def test_tensor_parallel_piecewise_equals_the_forward(tmp_path, seed: int) -> No
             for plain, piecewise in r[dcp]:
                 assert torch.equal(plain, piecewise), f"DCP {dcp}"
         assert all(torch.equal(a[0], b[0]) for a, b in zip(ranks[0][dcp], ranks[1][dcp]))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a capture that fails: here, one without CUDA")
+def test_a_failed_capture_falls_back_to_eager_only_where_allowed(model, caplog) -> None:
+    """'auto' on one rank: a capture that fails (here torch's own error: no CUDA) logs why and gives eager
+    decode; otherwise (--cuda-graph on, parallel ranks) the error stands."""
+    with caplog.at_level("WARNING", logger="hisparse.engine.cuda_graphs"):
+        assert capture_graphs(model, 2, fallback=True) is None
+    assert "capture failed" in caplog.text and "decode steps run eagerly" in caplog.text
+    with pytest.raises(Exception):
+        capture_graphs(model, 2, fallback=False)
 
 
 def test_graph_settings() -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ..engine.cuda_graphs import DecodeGraphs
+from ..engine.cuda_graphs import capture_graphs
 from ..engine.kv_settings import KVSettings
 from ..engine.runner import ModelRunner
 from ..engine.spec_decode import Speculator
@@ -95,7 +95,7 @@ def run_follower(group: DCPGroup, model: ML4, kv: LatentKV, speculative: Specula
     (0: none; made where rank 0 makes its own, before the start-up exchanges: a capture's warm-up runs the
     pieces' collectives on every rank), the start-up exchanges, then rank 0's steps until it says stop (returns
     the follower as it ended)."""
-    graphs = DecodeGraphs(model, graph_batch, capture=True) if graph_batch else None
+    graphs = capture_graphs(model, graph_batch, fallback=False) if graph_batch else None
     gather_ranks(group, model, kv)
     gather_pools(group, kv)
     speculator = None

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import fields
 
 import torch
 
@@ -49,6 +49,19 @@ def graphs_wanted(mode: str, device: torch.device | str, kernels: str) -> bool:
     if mode == "on" and missing:
         raise GraphSettingError(f"--cuda-graph on: needs {' and '.join(missing)}")
     return mode != "off" and not missing
+
+
+def capture_graphs(model: ML4, max_batch: int, fallback: bool) -> DecodeGraphs | None:
+    """Capture the decode graphs; with `fallback` ('auto' on one rank) a capture that fails logs why and decode
+    runs eagerly (None). Parallel ranks never fall back alone: the others would wait in a captured collective."""
+    try:
+        return DecodeGraphs(model, max_batch, capture=True)
+    except Exception as e:   # noqa: BLE001 - any capture failure: eager decode is always correct
+        if not fallback:
+            raise
+        log.warning("piecewise CUDA graph capture failed (%s: %s); decode steps run eagerly (--cuda-graph off "
+                    "skips the attempt)", type(e).__name__, e)
+        return None
 
 
 def bucket_sizes(max_batch: int) -> list[int]:

@@ -28,7 +28,7 @@ from ..model.dspark import DSparkDrafter
 from ..model.kv import KVStats, LatentKV
 from ..model.ml4 import ML4
 from .detokenizer import TextStream
-from .request import Request, RequestError, RequestOutput, SamplingParams, Status, TokenLogprobs
+from .request import Request, RequestError, RequestOutput, SamplingParams, TokenLogprobs
 from .cuda_graphs import DecodeGraphs
 from .runner import ModelRunner, SegmentOutput
 from .sampling import SamplingBatch, sample, token_logprobs

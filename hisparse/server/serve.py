@@ -24,7 +24,7 @@ from ..dcp.replica import own_store
 from ..dcp.leader import DCPEngine
 from ..dcp.serve import (DCPStartError, FollowerRanks, ParallelConfig, join_rank, load_rank, rank_lines,
                          run_follower)
-from ..engine.cuda_graphs import DecodeGraphs, GraphSettingError, graphs_wanted
+from ..engine.cuda_graphs import DecodeGraphs, GraphSettingError, capture_graphs, graphs_wanted
 from ..engine.engine import Engine
 from ..parallel.tp import check_splits
 from ..engine.kv_settings import KVSettings
@@ -200,7 +200,9 @@ def _serve(args: argparse.Namespace, model_dir: Path, dtype: torch.dtype, kv_set
     if not kv.can_ever_admit(max_model_len):
         raise SystemExit(f"--max-model-len {max_model_len} does not fit in the KV cache ({cap:,} tokens); "
                          "raise --host-pool-gib or lower --max-model-len")
-    graphs = DecodeGraphs(model, graph_batch, capture=True) if graph_batch else None   # as run_follower's
+    graphs = None     # made where run_follower makes its own
+    if graph_batch:
+        graphs = capture_graphs(model, graph_batch, fallback=args.cuda_graph == "auto" and par is None)
     engine = build_engine(model, kv, tokenizer, max_model_len, args.max_num_seqs, args.max_num_batched_tokens,
                           speculative, group, par.tp_size if par is not None else 1, graphs)
     name = args.served_model_name or model_dir.name
