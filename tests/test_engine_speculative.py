@@ -18,6 +18,7 @@ import torch
 
 from conftest import tiny_model
 from hisparse.cli import main as cli_main
+from hisparse.engine.cuda_graphs import DecodeGraphs
 from hisparse.engine.engine import Engine, StepStats
 from hisparse.engine.generate import greedy_generate
 from hisparse.engine.request import Request, SamplingParams
@@ -118,6 +119,19 @@ def greedy_case(seed: int):
     finally:
         torch.set_num_threads(prev)
     return model, prompts, {r.id: r.output for r in reqs}
+
+
+def test_verify_steps_through_decode_graphs_keep_the_greedy_tokens(greedy_case) -> None:
+    """Piecewise decode graphs (uncaptured on the CPU) run the verify forwards (anchor + drafts, every row's
+    logits) and feed the checkpoint's drafter its tapped hidden states: the greedy outputs stay those without
+    speculation."""
+    model, prompts, ref = greedy_case
+    spec = SpeculativeConfig.parse({"method": "dspark", "num_speculative_tokens": 3}, model.cfg)
+    graphs = DecodeGraphs(model, SCHED.max_num_seqs * 4, capture=False)
+    engine = Engine(model, checked_kv(model), SCHED, speculative=spec, graphs=graphs)
+    reqs, steps = run(engine, prompts, SamplingParams(max_tokens=NEW, temperature=0))
+    assert {r.id: r.output for r in reqs} == ref
+    assert engine.speculator.stats.steps > 0 and graphs.steps >= NEW // 4     # verify steps ran through graphs
 
 
 @pytest.mark.parametrize("n_spec", [1, 2, 3])

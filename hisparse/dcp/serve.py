@@ -90,12 +90,12 @@ def join_rank(group: DCPGroup, cfg: ParallelConfig, tp: TensorParallel | None, k
 
 
 def run_follower(group: DCPGroup, model: ML4, kv: LatentKV, speculative: SpeculativeConfig | None,
-                 graph_batch: int = 0) -> Follower:
-    """A follower rank's life after joining (kv: from `join_rank`): its decode graphs up to `graph_batch` requests
+                 graph_rows: int = 0) -> Follower:
+    """A follower rank's life after joining (kv: from `join_rank`): its decode graphs of up to `graph_rows` rows
     (0: none; made where rank 0 makes its own, before the start-up exchanges: a capture's warm-up runs the
     pieces' collectives on every rank), the start-up exchanges, then rank 0's steps until it says stop (returns
     the follower as it ended)."""
-    graphs = capture_graphs(model, graph_batch, fallback=False) if graph_batch else None
+    graphs = capture_graphs(model, graph_rows, fallback=False) if graph_rows else None
     gather_ranks(group, model, kv)
     gather_pools(group, kv)
     speculator = None
@@ -108,7 +108,7 @@ def run_follower(group: DCPGroup, model: ML4, kv: LatentKV, speculative: Specula
 
 
 def follower_main(rank: int, cfg: ParallelConfig, workdir: str, model_dir: Path, device: str, dtype: torch.dtype,
-                  kv_settings: KVSettings, speculative: SpeculativeConfig | None, graph_batch: int) -> None:
+                  kv_settings: KVSettings, speculative: SpeculativeConfig | None, graph_rows: int) -> None:
     """Body of a spawned follower process (a traceback goes to error{rank}.txt for rank 0)."""
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -118,7 +118,7 @@ def follower_main(rank: int, cfg: ParallelConfig, workdir: str, model_dir: Path,
         model, kv, tp = load_rank(cfg, rank, model_dir, device, dtype, kv_settings)
         (Path(workdir) / f"ready{rank}").touch()
         group = DCPGroup.init(rank, cfg.world_size, store_url(workdir), device, cfg.timeout_s)
-        run_follower(group, model, join_rank(group, cfg, tp, kv), speculative, graph_batch)
+        run_follower(group, model, join_rank(group, cfg, tp, kv), speculative, graph_rows)
         group.close()
 
 
@@ -130,14 +130,14 @@ class FollowerRanks:
     """Rank 0's handle on the follower processes it spawned: readiness, joining, diagnosis, clean-up."""
 
     def __init__(self, cfg: ParallelConfig, model_dir: Path, device: str, dtype: torch.dtype,
-                 kv_settings: KVSettings, speculative: SpeculativeConfig | None, graph_batch: int = 0):
+                 kv_settings: KVSettings, speculative: SpeculativeConfig | None, graph_rows: int = 0):
         self.cfg, self.device = cfg, device
         self._tmp = tempfile.TemporaryDirectory(prefix="hisparse-dcp-")
         self.workdir = Path(self._tmp.name)
         ctx = multiprocessing.get_context("spawn")
         self.procs = {r: ctx.Process(target=follower_main, name=f"dcp-rank{r}", daemon=True,
                                      args=(r, cfg, str(self.workdir), model_dir, device, dtype, kv_settings,
-                                           speculative, graph_batch))
+                                           speculative, graph_rows))
                       for r in range(1, cfg.world_size)}
         for p in self.procs.values():
             p.start()

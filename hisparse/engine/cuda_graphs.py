@@ -1,8 +1,9 @@
 """Piecewise CUDA graphs for decode steps (`--cuda-graph`).
 
-A decode step of n requests (one row each) runs at the smallest bucket size B >= n: its tokens and positions are
-copied into the bucket's static buffers (rows n..B-1 are padding: token 0 at position 0) and the forward runs as
-L + 1 pieces around the L KV seams, the way vLLM's PIECEWISE mode runs attention between captured graphs:
+A decode step of n rows (one per request, or a speculative verify segment's anchor and drafts per request) runs at
+the smallest bucket size B >= n: its tokens and positions are copied into the bucket's static buffers (rows
+n..B-1 are padding: token 0 at position 0) and the forward runs as L + 1 pieces around the L KV seams, the way
+vLLM's PIECEWISE mode runs attention between captured graphs:
 - piece 0: embedding, rope tables and layer 0's projections (`Block.project`);
 - piece i: layer i-1's output (`Block.finish`) and layer i's projections;
 - piece L: the last layer's output and the head.
@@ -51,11 +52,11 @@ def graphs_wanted(mode: str, device: torch.device | str, kernels: str) -> bool:
     return mode != "off" and not missing
 
 
-def capture_graphs(model: ML4, max_batch: int, fallback: bool) -> DecodeGraphs | None:
+def capture_graphs(model: ML4, max_rows: int, fallback: bool) -> DecodeGraphs | None:
     """Capture the decode graphs; with `fallback` ('auto' on one rank) a capture that fails logs why and decode
     runs eagerly (None). Parallel ranks never fall back alone: the others would wait in a captured collective."""
     try:
-        return DecodeGraphs(model, max_batch, capture=True)
+        return DecodeGraphs(model, max_rows, capture=True)
     except Exception as e:   # noqa: BLE001 - any capture failure: eager decode is always correct
         if not fallback:
             raise
@@ -64,9 +65,9 @@ def capture_graphs(model: ML4, max_batch: int, fallback: bool) -> DecodeGraphs |
         return None
 
 
-def bucket_sizes(max_batch: int) -> list[int]:
-    """Batch sizes graphs are made for: 1, 2, 4, 8, then every multiple of 8 up to max_batch (and max_batch)."""
-    sizes = [b for b in (1, 2, 4) if b < max_batch] + list(range(8, max_batch, 8)) + [max_batch]
+def bucket_sizes(max_rows: int) -> list[int]:
+    """Row counts graphs are made for: 1, 2, 4, 8, then every multiple of 8 up to max_rows (and max_rows)."""
+    sizes = [b for b in (1, 2, 4) if b < max_rows] + list(range(8, max_rows, 8)) + [max_rows]
     return sorted(set(sizes))
 
 
@@ -137,8 +138,8 @@ class BucketGraphs:
     @torch.no_grad()
     def forward(self, model: ML4, tokens: torch.Tensor, segments: Sequence[Segment], kv: LatentKV,
                 trace: ForwardTrace | None) -> torch.Tensor:
-        n = len(segments)
         positions, seg = segment_positions(list(segments), model.device)
+        n = positions.numel()
         self.tokens[:n].copy_(tokens)
         self.positions[:n].copy_(positions)
         kv.begin_step(segments)
@@ -157,29 +158,30 @@ class BucketGraphs:
 
 
 class DecodeGraphs:
-    """Piecewise graphs of a model's decode steps at bucketed batch sizes (all made up front)."""
+    """Piecewise graphs of a model's decode steps of up to `max_rows` rows, at bucketed sizes (all made up front)."""
 
-    def __init__(self, model: ML4, max_batch: int, capture: bool):
+    def __init__(self, model: ML4, max_rows: int, capture: bool):
         self.model, self.capture = model, capture
         pool = torch.cuda.graph_pool_handle() if capture else None
         self.buckets: dict[int, BucketGraphs] = {}
-        for size in sorted(bucket_sizes(max_batch), reverse=True):   # largest first: the others reuse its pool
+        for size in sorted(bucket_sizes(max_rows), reverse=True):    # largest first: the others reuse its pool
             self.buckets[size] = BucketGraphs(model, size, capture, pool)
-        self.max_batch = max_batch
+        self.max_rows = max_rows
         self.steps = 0          # decode steps run through the graphs
         if capture:
-            log.info("captured piecewise CUDA graphs for decode batches %s (%d pieces each)",
+            log.info("captured piecewise CUDA graphs for decode steps of %s rows (%d pieces each)",
                      sorted(self.buckets), len(model.layers) + 1)
 
     def handles(self, segments: Sequence[Segment], logit_rows: Sequence[int]) -> bool:
-        """A decode step these graphs run: at most max_batch segments of one row each, every row returning its
-        logits."""
-        return (0 < len(segments) <= self.max_batch and all(s.length == 1 for s in segments)
-                and all(k == 1 for k in logit_rows))
+        """A step these graphs run: every row returns its logits (a decode token, or a verify segment's anchor and
+        drafts), at most max_rows rows in all. Prefill chunks, which need their last row's logits only, run the
+        plain forward."""
+        rows = sum(s.length for s in segments)
+        return 0 < rows <= self.max_rows and all(k == s.length for s, k in zip(segments, logit_rows, strict=True))
 
     def forward(self, tokens: torch.Tensor, segments: Sequence[Segment], kv: LatentKV,
                 trace: ForwardTrace | None = None) -> torch.Tensor:
-        """tokens [n] of n decode segments -> logits [n, V], as `ML4.forward` gives them."""
-        size = min(b for b in self.buckets if b >= len(segments))
+        """tokens [n] of the segments' n rows -> logits [n, V], as `ML4.forward` gives them."""
+        size = min(b for b in self.buckets if b >= tokens.numel())
         self.steps += 1
         return self.buckets[size].forward(self.model, tokens, segments, kv, trace)

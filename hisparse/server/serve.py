@@ -139,9 +139,10 @@ def serve(args: argparse.Namespace, model_dir: Path, dtype: torch.dtype, kv_sett
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     speculative = speculative_config(args.speculative_config, model_dir)
     par = parallel_config(args)
-    try:     # every rank makes decode graphs up to --max-num-seqs requests, or none does
-        graph_batch = args.max_num_seqs if graphs_wanted(args.cuda_graph, args.device,
-                                                         kv_settings.kernel_path(args.device)) else 0
+    try:     # every rank makes decode graphs for a step of every running request (drafts included), or none does
+        per_seq = 1 + (speculative.num_speculative_tokens if speculative else 0)
+        graph_rows = args.max_num_seqs * per_seq if graphs_wanted(args.cuda_graph, args.device,
+                                                                  kv_settings.kernel_path(args.device)) else 0
     except GraphSettingError as e:
         raise SystemExit(str(e)) from None
     if par is not None and par.tp_size > 1:   # before any rank process starts
@@ -152,10 +153,10 @@ def serve(args: argparse.Namespace, model_dir: Path, dtype: torch.dtype, kv_sett
     followers = None
     if par is not None and "RANK" not in os.environ:      # under torchrun the ranks exist already
         followers = FollowerRanks(par, model_dir, args.device, dtype, kv_settings, speculative,   # they load
-                                  graph_batch)                                                    # meanwhile
+                                  graph_rows)                                                    # meanwhile
     engine = None
     try:
-        engine = _serve(args, model_dir, dtype, kv_settings, speculative, par, followers, graph_batch)
+        engine = _serve(args, model_dir, dtype, kv_settings, speculative, par, followers, graph_rows)
     except DCPStartError as e:
         raise SystemExit(f"hisparse serve: {e}") from None
     except DCPError as e:    # the start-up exchange failed
@@ -170,7 +171,7 @@ def serve(args: argparse.Namespace, model_dir: Path, dtype: torch.dtype, kv_sett
 
 def _serve(args: argparse.Namespace, model_dir: Path, dtype: torch.dtype, kv_settings: KVSettings,
            speculative: SpeculativeConfig | None, par: ParallelConfig | None,
-           followers: FollowerRanks | None, graph_batch: int) -> Engine | None:
+           followers: FollowerRanks | None, graph_rows: int) -> Engine | None:
     """Load, build and run until the HTTP server stops; the engine (None on a torchrun follower rank)."""
     group = None
     if par is not None and followers is None:     # torchrun: join first (this also picks the rank's GPU)
@@ -183,7 +184,7 @@ def _serve(args: argparse.Namespace, model_dir: Path, dtype: torch.dtype, kv_set
         group = group or followers.join()
         kv = join_rank(group, par, tp, kv)
         if group.rank > 0:
-            run_follower(group, model, kv, speculative, graph_batch)
+            run_follower(group, model, kv, speculative, graph_rows)
             group.close()
             return None
     else:
@@ -201,8 +202,8 @@ def _serve(args: argparse.Namespace, model_dir: Path, dtype: torch.dtype, kv_set
         raise SystemExit(f"--max-model-len {max_model_len} does not fit in the KV cache ({cap:,} tokens); "
                          "raise --host-pool-gib or lower --max-model-len")
     graphs = None     # made where run_follower makes its own
-    if graph_batch:
-        graphs = capture_graphs(model, graph_batch, fallback=args.cuda_graph == "auto" and par is None)
+    if graph_rows:
+        graphs = capture_graphs(model, graph_rows, fallback=args.cuda_graph == "auto" and par is None)
     engine = build_engine(model, kv, tokenizer, max_model_len, args.max_num_seqs, args.max_num_batched_tokens,
                           speculative, group, par.tp_size if par is not None else 1, graphs)
     name = args.served_model_name or model_dir.name
