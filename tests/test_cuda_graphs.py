@@ -93,18 +93,18 @@ def test_padding_rows_never_reach_a_real_row(model, seed: int) -> None:
     """The same 2-request step in the bucket of 4, once with zero padding rows and once with random tokens and
     positions left in them: bit-identical logits."""
     graphs = DecodeGraphs(model, 4, capture=False)
-    bucket = graphs.buckets[4]
+    rows = graphs.rows
     out = []
     for fill in (False, True):
         kv = ResidentKV(model.cfg, None)
         for req, p in enumerate(prompts(model.cfg, seed)[:2]):
             prefill(model, kv, req, p, chunk=16)
         if fill:
-            bucket.tokens.random_(0, model.cfg.vocab_size)
-            bucket.positions.random_(0, 60)
+            rows.tokens.random_(0, model.cfg.vocab_size)
+            rows.positions.random_(0, 60)
         else:
-            bucket.tokens.zero_()
-            bucket.positions.zero_()
+            rows.tokens.zero_()
+            rows.positions.zero_()
         out.append(graphs.forward(torch.tensor([3, 4]), [Segment(0, LENGTHS[0], 1), Segment(1, LENGTHS[1], 1)], kv))
     assert torch.equal(*out)
 

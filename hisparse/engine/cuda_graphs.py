@@ -71,16 +71,41 @@ def bucket_sizes(max_rows: int) -> list[int]:
     return sorted(set(sizes))
 
 
-def _narrow(q: Queries, n: int) -> Queries:
-    return Queries(*(None if t is None else t[:n] for t in (getattr(q, f.name) for f in fields(Queries))))
+PROJECTIONS = ("latents", "keys") + tuple(f.name for f in fields(Queries))   # what a layer's projections give
+
+
+class StaticRows:
+    """Row buffers shared by every bucket's pieces (a bucket of B rows uses rows [:B]; one bucket runs at a time):
+    the step's tokens and positions, the rope tables, the residual stream, the current layer's projections, the
+    seam's latent output and the logits. A piece copies what it computes into them, so its own temporaries die
+    with it (a graph pool reuses their memory for the next piece); only these rows stay allocated."""
+
+    def __init__(self, model: ML4, rows: int):
+        dev = model.device
+        self.rows = rows
+        self.tokens = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.olat = torch.zeros(rows, model.layers[0].attention.n_heads, model.cfg.kv_lora_rank, dtype=model.dtype,
+                                device=dev)
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def put(self, name: str, t: torch.Tensor) -> None:
+        """Copy t [B, ...] into rows [:B] of buffer `name` (allocated at its first, eager, use)."""
+        buf = self.buffers.get(name)
+        if buf is None:
+            buf = self.buffers[name] = t.new_empty((self.rows, *t.shape[1:]))
+        buf[:t.shape[0]].copy_(t)
+
+    def get(self, name: str, n: int) -> torch.Tensor:
+        return self.buffers[name][:n]
 
 
 class Piece:
-    """One dense region of the forward over static buffers: captured as a CUDA graph, or run eagerly."""
+    """One dense region of the forward over the static rows: captured as a CUDA graph, or run eagerly."""
 
-    def __init__(self, fn: Callable[[], tuple], capture: bool, pool: object | None = None):
+    def __init__(self, fn: Callable[[], None], capture: bool, pool: object | None = None):
         self.fn, self.graph = fn, None
-        self.out = fn()                                     # first run: lazy weights (stacked experts) get built
+        fn()                                                # first run: lazy weights and the buffers get made
         if capture:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -89,72 +114,78 @@ class Piece:
             torch.cuda.current_stream().wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph, pool=pool):
-                self.out = fn()
-            self.graph.replay()                             # the outputs hold values for the next piece's warm-up
+                fn()
+            self.graph.replay()                             # the rows hold values for the next piece's warm-up
 
-    def run(self) -> tuple:
+    def run(self) -> None:
         if self.graph is None:
-            self.out = self.fn()
+            self.fn()
         else:
             self.graph.replay()
-        return self.out
 
 
 class BucketGraphs:
-    """The pieces of one bucket size: static inputs (tokens, positions, the seam's olat) and L + 1 pieces."""
+    """The L + 1 pieces of one bucket size over rows [:size] of the static rows."""
 
     @torch.no_grad()
-    def __init__(self, model: ML4, size: int, capture: bool, pool: object | None):
-        cfg, dev = model.cfg, model.device
-        self.size = size
-        self.tokens = torch.zeros(size, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(size, dtype=torch.long, device=dev)
-        heads = model.layers[0].attention.n_heads
-        self.olat = torch.zeros(size, heads, cfg.kv_lora_rank, dtype=model.dtype, device=dev)
+    def __init__(self, model: ML4, size: int, rows: StaticRows, present: dict[int, set[str]], capture: bool,
+                 pool: object | None):
+        B, layers = size, model.layers
+        self.size, self.rows, self.present = size, rows, present
         # the pieces' batch: positions and rope tables only (the seams get their own batch of the real rows)
-        self.batch = AttentionBatch(self.positions, torch.zeros_like(self.positions), None, None, None, {})
-        layers = model.layers
+        self.batch = AttentionBatch(rows.positions[:B], torch.zeros_like(rows.positions[:B]), None, None, None, {})
 
-        def first() -> tuple:
-            self.batch.cos, self.batch.sin = model.rope(self.positions)
-            h = model.tok_embeddings(self.tokens)
-            return h, layers[0].project(h, self.batch), self.batch.cos, self.batch.sin
+        def project(i: int, h: torch.Tensor) -> None:
+            latents, keys, q = layers[i].project(h, self.batch)
+            out = dict(zip(PROJECTIONS, (latents, keys, *(getattr(q, f.name) for f in fields(Queries)))))
+            present.setdefault(i, {name for name, t in out.items() if t is not None})
+            for name in present[i]:
+                rows.put(name, out[name])
 
-        def middle(i: int) -> Callable[[], tuple]:
-            def piece() -> tuple:
-                h = layers[i - 1].finish(self.pieces[i - 1].out[0], self.olat)
-                return h, layers[i].project(h, self.batch)
+        def first() -> None:
+            cos, sin = model.rope(rows.positions[:B])
+            rows.put("cos", cos)
+            rows.put("sin", sin)
+            self.batch.cos, self.batch.sin = rows.get("cos", B), rows.get("sin", B)
+            h = model.tok_embeddings(rows.tokens[:B])
+            rows.put("h", h)
+            project(0, h)
+
+        def middle(i: int) -> Callable[[], None]:
+            def piece() -> None:
+                h = layers[i - 1].finish(rows.get("h", B), rows.olat[:B])
+                rows.put("h", h)
+                project(i, h)
             return piece
 
-        def last() -> tuple:
-            h = layers[-1].finish(self.pieces[len(layers) - 1].out[0], self.olat)
-            return h, model.head(h)
+        def last() -> None:
+            h = layers[-1].finish(rows.get("h", B), rows.olat[:B])
+            rows.put("h", h)
+            rows.put("logits", model.head(h))
 
-        self.pieces: list[Piece] = []
-        for fn in [first] + [middle(i) for i in range(1, len(layers))] + [last]:
-            self.pieces.append(Piece(fn, capture, pool))
-        self.batch.cos, self.batch.sin = self.pieces[0].out[2:]
+        self.pieces = [Piece(fn, capture, pool) for fn in [first] + [middle(i) for i in range(1, len(layers))]
+                       + [last]]
 
     @torch.no_grad()
     def forward(self, model: ML4, tokens: torch.Tensor, segments: Sequence[Segment], kv: LatentKV,
                 trace: ForwardTrace | None) -> torch.Tensor:
+        rows = self.rows
         positions, seg = segment_positions(list(segments), model.device)
         n = positions.numel()
-        self.tokens[:n].copy_(tokens)
-        self.positions[:n].copy_(positions)
+        rows.tokens[:n].copy_(tokens)
+        rows.positions[:n].copy_(positions)
         kv.begin_step(segments)
-        out = self.pieces[0].run()
-        seam = AttentionBatch(self.positions[:n], seg, kv, self.batch.cos[:n], self.batch.sin[:n], {}, trace)
+        self.pieces[0].run()
+        seam = AttentionBatch(rows.positions[:n], seg, kv, rows.get("cos", n), rows.get("sin", n), {}, trace)
         for i, layer in enumerate(model.layers):
-            rows, keys, q = out[1]                       # layer i's projections
-            olat = layer.seam(None if rows is None else rows[:n], None if keys is None else keys[:n],
-                              _narrow(q, n), seam)
-            self.olat[:n].copy_(olat)
-            out = self.pieces[i + 1].run()               # (layer i's output, layer i+1's projections or logits)
+            p = {name: rows.get(name, n) if name in self.present[i] else None for name in PROJECTIONS}
+            q = Queries(*(p[f.name] for f in fields(Queries)))
+            rows.olat[:n].copy_(layer.seam(p["latents"], p["keys"], q, seam))
+            self.pieces[i + 1].run()                     # layer i's output (and layer i+1's projections)
             if trace is not None and i in trace.tap_layers:
-                trace.taps[i] = out[0][:n].clone()
+                trace.taps[i] = rows.get("h", n).clone()
         kv.end_step()
-        return out[1][:n].clone()
+        return rows.get("logits", n).clone()
 
 
 class DecodeGraphs:
@@ -163,9 +194,11 @@ class DecodeGraphs:
     def __init__(self, model: ML4, max_rows: int, capture: bool):
         self.model, self.capture = model, capture
         pool = torch.cuda.graph_pool_handle() if capture else None
+        self.rows = StaticRows(model, max_rows)
+        present: dict[int, set[str]] = {}     # layer -> the projections it has (its LayerSpec decides)
         self.buckets: dict[int, BucketGraphs] = {}
         for size in sorted(bucket_sizes(max_rows), reverse=True):    # largest first: the others reuse its pool
-            self.buckets[size] = BucketGraphs(model, size, capture, pool)
+            self.buckets[size] = BucketGraphs(model, size, self.rows, present, capture, pool)
         self.max_rows = max_rows
         self.steps = 0          # decode steps run through the graphs
         if capture:
