@@ -115,9 +115,9 @@ def build_engine(model: ML4, kv: LatentKV, tokenizer, max_model_len: int, max_nu
     inner = tokenizer.instruct_tokenizer.tokenizer
     per_seq = 1 + (speculative.num_speculative_tokens if speculative else 0)   # every decode fits, drafts included
     cfg = SchedulerConfig(max_model_len, max_num_seqs, max(max_num_batched_tokens, max_num_seqs * per_seq))
-    kwargs = dict(eos_id=inner.eos_id, decode=inner.decode, speculative=speculative)
+    kwargs = dict(eos_id=inner.eos_id, decode=inner.decode, speculative=speculative, graphs=graphs)
     if group is None:
-        return Engine(model, kv, cfg, graphs=graphs, **kwargs)
+        return Engine(model, kv, cfg, **kwargs)
     return DCPEngine(model, kv, group, cfg, lockstep_drafts=tp_size > 1, **kwargs)
 
 
