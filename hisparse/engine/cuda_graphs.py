@@ -1,9 +1,9 @@
 """Piecewise CUDA graphs for decode steps (`--cuda-graph`).
 
 A decode step of n rows (one per request, or a speculative verify segment's anchor and drafts per request) runs at
-the smallest bucket size B >= n: its tokens and positions are copied into the bucket's static buffers (rows
-n..B-1 are padding: token 0 at position 0) and the forward runs as L + 1 pieces around the L KV seams, the way
-vLLM's PIECEWISE mode runs attention between captured graphs:
+the smallest bucket size B >= n: its tokens and positions are copied into rows [:B] of the static rows (rows
+n..B-1 are padding, holding whatever an earlier step left) and the forward runs as L + 1 pieces around the L KV
+seams, the way vLLM's PIECEWISE mode runs attention between captured graphs:
 - piece 0: embedding, rope tables and layer 0's projections (`Block.project`);
 - piece i: layer i-1's output (`Block.finish`) and layer i's projections;
 - piece L: the last layer's output and the head.
@@ -13,13 +13,14 @@ between the pieces: the working set's miss path, its copy stream and its data-de
 graphs. Every piece computes each row on its own (row-wise projections, per-row routing and grouped experts), so
 the padding rows never reach a real row.
 
-Without capture (`capture=False`, the CPU) the pieces run eagerly on the same static buffers: tests check the
+Without capture (`capture=False`, the CPU) the pieces run eagerly on the same static rows: tests check the
 piecewise step against the plain forward, and that every piece's ops and shapes depend on the bucket only.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import fields
 
@@ -192,7 +193,8 @@ class DecodeGraphs:
     """Piecewise graphs of a model's decode steps of up to `max_rows` rows, at bucketed sizes (all made up front)."""
 
     def __init__(self, model: ML4, max_rows: int, capture: bool):
-        self.model, self.capture = model, capture
+        self.model = model
+        t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle() if capture else None
         self.rows = StaticRows(model, max_rows)
         present: dict[int, set[str]] = {}     # layer -> the projections it has (its LayerSpec decides)
@@ -202,8 +204,8 @@ class DecodeGraphs:
         self.max_rows = max_rows
         self.steps = 0          # decode steps run through the graphs
         if capture:
-            log.info("captured piecewise CUDA graphs for decode steps of %s rows (%d pieces each)",
-                     sorted(self.buckets), len(model.layers) + 1)
+            log.info("captured piecewise CUDA graphs for decode steps of %s rows (%d pieces each) in %.1f s",
+                     sorted(self.buckets), len(model.layers) + 1, time.perf_counter() - t0)
 
     def handles(self, segments: Sequence[Segment], logit_rows: Sequence[int]) -> bool:
         """A step these graphs run: every row returns its logits (a decode token, or a verify segment's anchor and
