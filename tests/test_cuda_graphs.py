@@ -31,6 +31,7 @@ from hisparse.model.kv import ResidentKV
 from hisparse.model.tiny import random_model
 from hisparse.model.weights import load_model, save_model
 from hisparse.parallel.tp import shard_for
+from hisparse.server.metrics import Metrics
 
 from conftest import tiny_model
 from test_dcp import hisparse_kv
@@ -163,9 +164,12 @@ def test_engine_decodes_through_the_graphs(model, seed: int) -> None:
         kv = HiSparseKV(model.cfg, "fp8_ds_mla", host_pool_gib=0.002, hot_buffer_tokens=8, resident_window=4,
                         page_tokens=16)
         engine = Engine(model, kv, SchedulerConfig(max_model_len=128, max_num_seqs=4), graphs=graphs)
+        metrics = Metrics()
+        engine.on_step = metrics.observe
         outs.append([r.output for r in engine.generate(ps, SamplingParams(max_tokens=6, temperature=0.0))])
     assert outs[0] == outs[1]
     assert graphs.steps >= 5          # the decode steps after the prompts' last chunks
+    assert f"hisparse_cuda_graph_steps_total {float(graphs.steps)}" in metrics.render().decode()
 
 
 def parallel_rank(group, ckpt: str, seed: int) -> dict:

@@ -61,6 +61,7 @@ class StepStats:
     num_preemptions: int = 0              # running requests preempted so far (their KV freed, to recompute)
     kv_index_cache_bytes: int = 0         # indexer keys held on the device (0 when all are done)
     kv_ranks: list["RankPool"] = field(default_factory=list)   # DCP: each rank's host pool ([] without DCP)
+    graph_steps: int = 0                  # forwards of this step that replayed the decode graphs
 
 
 class Engine:
@@ -158,6 +159,7 @@ class Engine:
         """Admit, draft (speculative decoding), run one forward, accept or sample, and deliver outputs."""
         self._drain_inbox()
         stats = StepStats(0, 0)
+        graph_steps = self.graphs.steps if self.graphs is not None else 0
         plan = self.scheduler.schedule()
         if plan is not None:
             if self.speculator is not None:
@@ -200,6 +202,7 @@ class Engine:
                     except Exception as e:   # noqa: BLE001 - its detokenising or stop handling: this request only
                         log.exception("request %s failed", o.req.id)
                         self._finish(o.req, "error", error=f"{type(e).__name__}: {e}")
+        stats.graph_steps = (self.graphs.steps if self.graphs is not None else 0) - graph_steps
         stats.finished, self._finished = self._finished, []
         stats.num_running, stats.num_waiting = len(self.scheduler.running), len(self.scheduler.waiting)
         stats.kv_stats, stats.kv_usage = self.kv.stats.snapshot(), self.kv.usage_ratio()

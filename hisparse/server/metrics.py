@@ -30,6 +30,8 @@ class Metrics:
         self.generation_tokens = Counter("hisparse_generation_tokens", "Tokens generated", registry=r)
         self.finished = Counter("hisparse_request_success", "Finished requests by reason", ["finished_reason"],
                                 registry=r)
+        self.graph_steps = Counter("hisparse_cuda_graph_steps", "Forwards that replayed the piecewise decode CUDA "
+                                   "graphs (--cuda-graph)", registry=r)
         self.preemptions = Counter("hisparse_num_preemptions", "Running requests preempted to free KV "
                                    "(they recompute later)", registry=r)
         self._preempted = 0
@@ -78,6 +80,7 @@ class Metrics:
         self.waiting.set(s.num_waiting)
         self.prompt_tokens.inc(s.prompt_tokens)
         self.generation_tokens.inc(s.generation_tokens)
+        self.graph_steps.inc(s.graph_steps)
         for reason in s.finished:
             self.finished.labels(reason).inc()
         self.preemptions.inc(s.num_preemptions - self._preempted)
