@@ -72,7 +72,7 @@ class MLA(nn.Module):
 
     def rope_tables(self, b: AttentionBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """This layer's (cos, sin) [N, dR/2]: None on NoPE layers, the batch's unless the layer has its own LeRoPE.
-        Block computes them once for `write` and `forward` (per-layer LeRoPE costs a table per row)."""
+        Block computes them once for `cache_rows` and `queries` (per-layer LeRoPE costs a table per row)."""
         if not self.spec.rope:
             return None, None
         if self.lerope is None:
