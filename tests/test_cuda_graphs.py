@@ -1,6 +1,6 @@
 """Piecewise decode graphs (hisparse/engine/cuda_graphs.py).
 
-On the CPU the pieces run eagerly over the buckets' static buffers, which checks everything but the capture
+On the CPU the pieces run eagerly over the static rows every bucket uses, which checks everything but the capture
 itself: the piecewise step gives the plain forward's logits, padding rows never reach a real row, and every
 piece runs the same ops on the same shapes for any step of a bucket, with no host synchronisation (what a
 CUDA graph needs to replay it). With CUDA, capture + replay is checked against eager.

@@ -98,6 +98,7 @@ class StaticRows:
         buf[:t.shape[0]].copy_(t)
 
     def get(self, name: str, n: int) -> torch.Tensor:
+        """Rows [:n] of buffer `name`."""
         return self.buffers[name][:n]
 
 
