@@ -33,12 +33,7 @@ def device_footprint(cfg: ModelConfig, settings: KVSettings, dtype: torch.dtype,
                      max_model_len: int, max_num_batched_tokens: int) -> DeviceFootprint:
     """The footprint of the store `settings` builds, measured on a meta-device copy of it (nothing allocated)."""
     kv = replace(settings, host_pool_gib=0.01).build(cfg, "meta", dtype)   # the pool's size changes nothing here
-    pages = -(-max_model_len // kv.page_tokens)
-    per_request = pages * kv.index_keys.bytes_per_page()
-    if hasattr(kv, "working_set_bytes"):
-        per_request += kv.working_set_bytes()
-    else:
-        per_request += pages * kv.rows.bytes_per_page()
+    per_request = kv.request_device_bytes(max_model_len)
     kv.reserve_device(max_num_seqs, max_model_len, max_num_batched_tokens)
     return DeviceFootprint(per_request, kv.device_nbytes(), max_num_seqs)
 

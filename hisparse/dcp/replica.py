@@ -115,7 +115,7 @@ def gather_ranks(group: DCPGroup, model: nn.Module, kv: LatentKV) -> list[RankIn
     """Every rank's RankInfo (a collective: all ranks call it, once, after joining)."""
     store = own_store(kv)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    ws = store.working_set_bytes() if hasattr(store, "working_set_bytes") else 0
-    every = group.all_gather(torch.tensor([[weights, ws]], dtype=torch.float64, device=group.device),
+    every = group.all_gather(torch.tensor([[weights, store.working_set_bytes()]], dtype=torch.float64,
+                                          device=group.device),
                              "per-rank weight and working-set bytes")
     return [RankInfo(int(w), int(s)) for w, s in every[:, 0].cpu().tolist()]

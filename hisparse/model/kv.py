@@ -211,11 +211,20 @@ class LatentKV(ABC):
         """Allocate the device stores for max_seqs requests of max_tokens tokens and step_rows new rows per step
         now: a server that knows its limits then never grows a store while serving within them (page ids stay
         below the peak pages in use: the page table hands out the lowest never-used id last)."""
-        self.index_keys.fit(max_seqs * -(-max_tokens // self.page_tokens))
+        self.index_keys.fit(max_seqs * self.pages_for(max_tokens))
 
     def device_nbytes(self) -> int:
         """Device bytes the stores hold now (allocated, used or not)."""
         return sum(t.nbytes for t in self.index_keys.data.values())
+
+    def working_set_bytes(self) -> int:
+        """Device bytes one request holds whatever its length (HiSparse: its arena slot and LRU metadata)."""
+        return 0
+
+    def request_device_bytes(self, n_tokens: int) -> int:
+        """Device bytes one request of n_tokens tokens holds: its indexer keys and working set (and, resident,
+        its latent rows)."""
+        return self.pages_for(n_tokens) * self.index_keys.bytes_per_page() + self.working_set_bytes()
 
     def index_cache_bytes(self, req: Hashable | None = None) -> int:
         """Device bytes of indexer keys held (by one request, or by all)."""
@@ -227,8 +236,12 @@ class LatentKV(ABC):
         """Tokens the latent store can hold in all (None: unbounded)."""
         return None
 
+    def pages_for(self, n_tokens: int) -> int:
+        """Pages n_tokens tokens take."""
+        return -(-n_tokens // self.page_tokens)
+
     def _rounded(self, n_tokens: int) -> int:
-        return -(-n_tokens // self.page_tokens) * self.page_tokens
+        return self.pages_for(n_tokens) * self.page_tokens
 
     def tokens_unreserved(self) -> int | None:
         """Tokens still free for new reservations (None: unbounded)."""
@@ -277,7 +290,7 @@ class ResidentKV(LatentKV):
 
     def reserve_device(self, max_seqs: int, max_tokens: int, step_rows: int) -> None:
         super().reserve_device(max_seqs, max_tokens, step_rows)
-        self.rows.fit(max_seqs * -(-max_tokens // self.page_tokens))
+        self.rows.fit(max_seqs * self.pages_for(max_tokens))
 
     def device_nbytes(self) -> int:
         return super().device_nbytes() + sum(t.nbytes for t in self.rows.data.values())
@@ -297,6 +310,9 @@ class ResidentKV(LatentKV):
                     ) -> tuple[torch.Tensor, torch.Tensor, None]:
         idx = paged_rows(self.tables.pages, seg[:, None].expand_as(sel), sel.clamp(min=0), self.page_tokens)
         return self.rows.data[self.source(layer)], torch.where(sel >= 0, idx, -1), None
+
+    def request_device_bytes(self, n_tokens: int) -> int:
+        return super().request_device_bytes(n_tokens) + self.pages_for(n_tokens) * self.rows.bytes_per_page()
 
     def latent_bytes(self, req: Hashable | None = None) -> int:
         """Device bytes of latent rows held (by one request, or by all)."""
