@@ -30,7 +30,6 @@ import torch
 from hisparse.model.config import preset_params
 from hisparse.model.indexer import Indexer, index_scores, select_topk
 from hisparse.model.kernels import indexer_topk
-from hisparse.model.rope import rope_cos_sin, rope_frequencies
 from hisparse.model.ml4 import ML4
 from hisparse.model.tiny import random_model
 from hisparse.model.weights import load_model
@@ -84,7 +83,7 @@ def run(model: ML4, tokens: torch.Tensor, contexts: list[int], chunk: int, sampl
     ix = layer.attention.indexer
     S_max = max(contexts)
     positions = torch.arange(S_max)
-    cos, sin = rope_cos_sin(rope_frequencies(model.cfg, model.lerope.alpha), positions, model.dtype)
+    cos, sin = model.rope(positions)
     q, k, w = ix.project(layer.attention_norm(model.tok_embeddings(tokens)), positions, cos, sin)
     out = []
     for S in contexts:

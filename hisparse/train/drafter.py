@@ -39,7 +39,6 @@ from ..model.batch import ForwardTrace, Segment
 from ..model.config import ModelConfig
 from ..model.dspark import DSpark
 from ..model.ml4 import ML4
-from ..model.rope import rope_cos_sin, rope_frequencies
 from ..model.tokenizer import load_tokenizer
 from ..model.weights import load_model, save_model
 from .passkey import INTRO, SyntheticHaystack, sample_prompt
@@ -177,15 +176,13 @@ def drafter_forward(model: ML4, seq: Sequence, anchors: torch.Tensor, n: int) ->
     for those drafts."""
     m, cfg = model.mtp_dspark, model.cfg
     W, dtype = cfg.mtp.sliding_window, getattr(torch, cfg.mtp.kv_cache_dtype)
-    omega = rope_frequencies(cfg, model.lerope.alpha)
     T = seq.tokens.numel()
-    rows = rounded(m.context_rows(seq.taps, *rope_cos_sin(omega, torch.arange(T), model.dtype)), dtype)  # [L, T, w]
+    rows = rounded(m.context_rows(seq.taps, *model.rope(torch.arange(T))), dtype)           # [L, T, w]
     idx = anchors[:, None] - W + torch.arange(W)                                            # [A, W]
     ctx_pos = torch.where(idx >= 0, idx, -1)
     ctx = rows[:, idx.clamp_min(0)].transpose(0, 1)                                          # [A, L, W, w]
     positions = anchors[:, None] + torch.arange(n)                                          # [A, n]
-    u = m.block_logits(model, seq.tokens[anchors], positions, *rope_cos_sin(omega, positions.flatten(), model.dtype),
-                       ctx, ctx_pos)
+    u = m.block_logits(model, seq.tokens[anchors], positions, *model.rope(positions.flatten()), ctx, ctx_pos)
     prev = torch.cat((seq.tokens[anchors][:, None], forced_tokens(seq, anchors, n - 1)), dim=1)   # [A, n]
     return m.forced_logits(u, prev)
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from ..model.indexer import select_topk, ssmax_gain
 from ..model.ml4 import ML4, Block
-from ..model.rope import apply_rope, rope_cos_sin, rope_frequencies
+from ..model.rope import apply_rope
 
 
 @dataclass
@@ -57,7 +57,7 @@ def sequence_rope(model: ML4, tokens: torch.Tensor) -> tuple[torch.Tensor, torch
         raise ValueError("lerope.per_layer: training supports the global LeRoPE only")
     B, T = tokens.shape
     pos = torch.arange(T, device=tokens.device).repeat(B)
-    return pos, *rope_cos_sin(rope_frequencies(model.cfg, model.lerope.alpha), pos, model.dtype)
+    return pos, *model.rope(pos)
 
 
 def layers_forward(model: ML4, tokens: torch.Tensor, st, attention: Callable) -> torch.Tensor:
