@@ -79,13 +79,14 @@ class HiSparseModelConfig(VerifyAndUpdateConfig):
                 f"\"{CONNECTOR_MODULE}\",\"kv_role\":\"kv_both\",\"kv_connector_extra_config\":"
                 "{\"host_pool_gib\":8}}'")
         KVSettings.from_extra_config(kvt.kv_connector_extra_config)
-        if vllm_config.device_config.device_type == "cuda" and not vllm_config.model_config.enforce_eager:
+        cuda = vllm_config.device_config.device_type == "cuda"
+        if cuda and not vllm_config.model_config.enforce_eager:
             logger.info("hisparse: running eager (no CUDA graphs, no torch.compile): the plugin's forward does "
                         "host-side bookkeeping every step and returns zeros in vLLM's profile run, which a captured "
                         "graph would replay as wrong output")
             vllm_config.model_config.enforce_eager = True
         cc = vllm_config.cache_config
-        if vllm_config.device_config.device_type == "cuda" and cc.num_gpu_blocks_override is None:
+        if cuda and cc.num_gpu_blocks_override is None:
             # the dummy layer's blocks only identify requests: as few as max_num_seqs requests of max_model_len
             # tokens need, counted in the smallest CUDA block (any larger block size only adds room)
             cc.num_gpu_blocks_override = vllm_config.scheduler_config.max_num_seqs * -(

@@ -148,8 +148,8 @@ class KVSettings:
             "page_tokens": dict(type=int, help="tokens per page of the host pool (of the device store with "
                                                "--kv-offload none) (default: %(default)s)"),
             "kernels": dict(choices=KERNELS, help="miss path, indexer scoring, sparse attention and the routed "
-                                                  "experts as Triton kernels or torch ops; auto: triton on CUDA, torch elsewhere "
-                                                  "(default: %(default)s)"),
+                                                  "experts as Triton kernels or torch ops; auto: triton on CUDA, "
+                                                  "torch elsewhere (default: %(default)s)"),
             "index_cache": dict(choices=INDEX_CACHES, help="indexer keys on the device: fp8 = 132-B records "
                                                            "(128 x e4m3 + a power-of-two fp32 scale), fp32 = exact "
                                                            "(default: %(default)s)"),

@@ -6,6 +6,8 @@ static shapes, no host synchronisation). "auto" takes Triton for CUDA activation
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -13,6 +15,9 @@ from torch import nn
 from ..gpu_working_set.kernels import triton_support
 from .config import ModelConfig
 from .linear import Linear
+
+if TYPE_CHECKING:
+    from .kernels.moe_triton import StackedExperts
 
 
 class SwiGLU(nn.Module):
@@ -70,7 +75,7 @@ class MoE(nn.Module):
         from .kernels.moe_triton import grouped_experts
         return grouped_experts(y, ids, gates, self.stacked(), self.local_experts.start)
 
-    def stacked(self):
+    def stacked(self) -> StackedExperts:
         """The local experts' w1/w3/w2 (and FP8 block scales) stacked [E, out, in]; the experts' parameters become
         views of the stacks, so the weights stay in memory once."""
         if self._stacked is None:

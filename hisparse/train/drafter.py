@@ -284,9 +284,8 @@ def _train(model_dir: Path, out: Path, recipe: DrafterRecipe, resume: bool, unti
     if stop < recipe.steps:
         return model
     save_model(model, out)
-    for name in ("tekken.json",):
-        if not (out / name).exists() and (model_dir / name).exists():
-            shutil.copy(model_dir / name, out / name)
+    if not (out / "tekken.json").exists() and (model_dir / "tekken.json").exists():
+        shutil.copy(model_dir / "tekken.json", out / "tekken.json")
     shutil.rmtree(work)
     return model
 
