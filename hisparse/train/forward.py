@@ -20,7 +20,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from ..model.indexer import select_topk, ssmax_gain
 from ..model.ml4 import ML4, Block
