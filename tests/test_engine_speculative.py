@@ -302,8 +302,10 @@ def test_stop_conditions_cut_where_plain_decoding_stops(seed: int, tok) -> None:
     """The oracle makes every step emit 4 tokens; eos, a stop id, a stop string and max_tokens chosen to end
     mid-step must give exactly the tokens, text and finish reason of decoding without speculation."""
     prompt = tok.encode("one two three", bos=True, eos=False)
+    # Not sharpened: over the 131k-token vocabulary a sharpened model's logits saturate the soft cap, so greedy
+    # ties are broken by the last bit of a logit, which a batched forward need not reproduce bit for bit.
     for s in range(seed, seed + 16):   # a random model may fall into a loop of few tokens: then draw the next one
-        model = tiny_model(s, dtype=torch.float32, vocab_size=tok.n_words, **FAST)
+        model = tiny_model(s, dtype=torch.float32, sharp=False, vocab_size=tok.n_words, **FAST)
         free = greedy_generate(model, ResidentKV(model.cfg, "fp8_ds_mla"), prompt, 24).tokens
         texts = [tok.decode(free[:i]) for i in range(len(free) + 1)]
         mid = [k for k in range(2, 22) if (k - 1) % 4 != 3 and free[k] not in free[:k]]   # not a step's last token
