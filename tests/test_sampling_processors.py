@@ -91,6 +91,24 @@ def test_greedy_rows_take_the_processed_argmax(seed: int) -> None:
     assert got == want
 
 
+def test_unprocessed_rows_ignore_a_processed_neighbour(seed: int) -> None:
+    """A greedy row without processors takes the argmax of its own logits, in their dtype, whether or not a
+    neighbour has a penalty: fp64 top-two logits 1e-9 apart tie in fp32, where argmax would take the lower id."""
+    g = torch.Generator().manual_seed(seed + 3)
+    logits = torch.randn(2, V, generator=g, dtype=torch.float64)
+    lo, hi = torch.randperm(V, generator=g)[:2].sort().values.tolist()
+    logits[0, lo], logits[0, hi] = 30.0, 30.0 + 1e-9                     # row 0's argmax is the higher id
+    plain = Request("plain", [1], SamplingParams(max_tokens=8, temperature=0.0))
+    penalized = Request("pen", [1], SamplingParams(max_tokens=8, temperature=0.0, repetition_penalty=1.5))
+    alone = sample(logits[:1], SamplingBatch.from_requests([plain], V, torch.device("cpu"), EOS))
+    batch = SamplingBatch.from_requests([plain, penalized], V, torch.device("cpu"), EOS)
+    assert batch.processors is not None
+    together = sample(logits, batch)
+    assert alone.tolist() == [hi] and together[0].item() == hi
+    want = reference_processed(logits[1].float().tolist(), penalized, EOS)
+    assert together[1].item() == max(range(V), key=lambda v: want[v])
+
+
 def test_min_p_matches_vllm(seed: int) -> None:
     g = torch.Generator().manual_seed(seed + 2)
     z = torch.randn(8, V, generator=g) * 3

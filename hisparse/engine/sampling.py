@@ -29,6 +29,7 @@ GREEDY_BELOW = 1e-5
 @dataclass
 class LogitsProcessors:
     """vLLM's non-argmax-invariant processors of one step's rows, as batch tensors (B rows, V tokens)."""
+    rows: torch.Tensor                                 # [B] bool: rows with any processor (the others keep their logits)
     masked: tuple[torch.Tensor, torch.Tensor]          # (rows [M], ids [M]): min_tokens' stop ids -> -inf
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor]   # (rows [K], ids [K], values [K] fp32): logit_bias
     seen: torch.Tensor                                 # [B, V] bool: in the prompt or the output (repetition)
@@ -58,6 +59,7 @@ class LogitsProcessors:
         def col(xs: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(xs, dtype=dtype, device=device)
         return cls(
+            rows=col([p.penalized for p in ps], torch.bool),
             masked=(col([i for i, _ in masked], torch.long), col([t for _, t in masked], torch.long)),
             bias=(col([i for i, _, _ in bias], torch.long), col([t for _, t, _ in bias], torch.long),
                   col([b for _, _, b in bias], torch.float32)),
@@ -137,10 +139,15 @@ def filter_min_p(z: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """logits [B, V] -> token ids [B] (long)."""
+    """logits [B, V] -> token ids [B] (long).
+
+    Processed rows are sampled from their fp32 processed logits; every other row from its own logits as given, so a
+    row's token never depends on whether a neighbour in the batch has a processor (an fp32 cast could tie a greedy
+    row's top two fp64 logits)."""
+    out = logits.argmax(-1)
     if batch.processors is not None:
         logits = batch.processors.apply(logits)
-    out = logits.argmax(-1)
+        out = torch.where(batch.processors.rows, logits.argmax(-1), out)
     rand = (batch.temperature > 0).nonzero().squeeze(-1)
     if rand.numel():
         z = logits[rand].float() / batch.temperature[rand, None]
