@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from conftest import full_forward, random_tokens
 from hisparse.model.config import preset_params
 from hisparse.model.tiny import random_model
-from hisparse.model.linear import weight_dequant, weight_quant
+from hisparse.model.linear import Linear, weight_dequant, weight_quant
 from hisparse.model.weights import CheckpointError, from_checkpoint_name, load_model, save_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -56,6 +56,22 @@ def test_fp8_block_round_trip_with_partial_edge_blocks(seed: int) -> None:
     # a loader that DIVIDES by the scale (the bug §2.2 warns about) is off by orders of magnitude
     divided = w8.float() / scale_of
     assert float((divided - w.float()).norm() / w.float().norm()) > 1e3
+
+
+def test_dequantized_rows_reads_only_whole_blocks_of_each_group(seed: int) -> None:
+    """Per-group row halves (the absorbed MLA's wkv_b nope / value rows) equal the slice of the whole dequantised
+    weight, bit for bit, both when they are whole scale blocks (only those rows are dequantised) and when not."""
+    g = torch.Generator().manual_seed(seed)
+    for groups, size, block, part in ((3, 32, (16, 16), slice(0, 16)), (3, 32, (16, 16), slice(16, None)),
+                                      (2, 24, (16, 16), slice(8, None)), (2, 24, (16, 16), slice(0, 8))):
+        lin = Linear(40, groups * size)
+        w8, s = weight_quant(torch.randn(groups * size, 40, generator=g), block)
+        lin.to_fp8(w8, s, block)
+        want = lin.dequantized(torch.float64).view(groups, size, 40)[:, part]
+        got = lin.dequantized_rows(torch.float64, groups, part)
+        assert got.shape == want.shape and torch.equal(got, want), (size, part)
+    plain = Linear(40, 64).double()
+    assert torch.equal(plain.dequantized_rows(torch.float64, 2, slice(0, 16)), plain.weight.view(2, 32, 40)[:, :16])
 
 
 def test_fp8_checkpoint_loads_close_to_unquantised(tmp_path: Path, seed: int) -> None:

@@ -116,7 +116,7 @@ class MLA(nn.Module):
         if self.ssmax_scaling is not None:
             g = ssmax_gain(self.ssmax_scaling, b.positions, x.dtype)[..., None]    # [N, H, 1]
             q_nope, q_rope = q_nope * g, (q_rope * g if q_rope is not None else None)
-        q_lat = torch.einsum("thd,hdc->thc", q_nope, self.w_kvb(x.dtype)[:, :dN])    # [N, H, r]
+        q_lat = torch.einsum("thd,hdc->thc", q_nope, self.w_kvb(x.dtype, slice(0, dN)))    # [N, H, r]
         index_q = index_w = None
         if self.indexer is not None:
             index_q, index_w = self.indexer.queries(x, b.positions, cos, sin)          # [N, HI, dI], [N, HI]
@@ -142,11 +142,11 @@ class MLA(nn.Module):
 
     def output(self, olat: torch.Tensor) -> torch.Tensor:
         """olat [N, H, r] -> the layer's attention output [N, D]."""
-        o = torch.einsum("thc,hvc->thv", olat, self.w_kvb(olat.dtype)[:, self.cfg.qk_nope_head_dim:])   # [N, H, dV]
+        w_v = self.w_kvb(olat.dtype, slice(self.cfg.qk_nope_head_dim, None))           # [H, dV, r]
+        o = torch.einsum("thc,hvc->thv", olat, w_v)                                     # [N, H, dV]
         return self.wo(o.flatten(1))
 
-    def w_kvb(self, dtype: torch.dtype) -> torch.Tensor:
-        """wkv_b as [H, dN + dV, r] in `dtype`."""
-        cfg = self.cfg
-        return self.wkv_b.dequantized(dtype).view(self.n_heads, cfg.qk_nope_head_dim + cfg.v_head_dim,
-                                                  cfg.kv_lora_rank)
+    def w_kvb(self, dtype: torch.dtype, part: slice) -> torch.Tensor:
+        """Rows `part` of every head's wkv_b (the nope half for the absorbed query, the value half for the output):
+        [H, len(part), r] in `dtype`; an FP8 wkv_b dequantises only that half."""
+        return self.wkv_b.dequantized_rows(dtype, self.n_heads, part)

@@ -124,6 +124,23 @@ class Linear(nn.Linear):
             return self.weight if self.weight.dtype == dtype else self.weight.to(dtype)
         return weight_dequant(self.weight, self.weight_scale, self.block, dtype)
 
+    def dequantized_rows(self, dtype: torch.dtype, groups: int, part: slice) -> torch.Tensor:
+        """Rows `part` of each of `groups` equal row groups of the weight: [groups, len(part), in] in `dtype`.
+
+        An FP8 weight dequantises only those rows when they are whole scale blocks (each head's half of the absorbed
+        MLA's wkv_b at the spec's sizes), else all of it and slices."""
+        w = self.weight.view(groups, -1, self.in_features)                     # [G, rows, in]
+        size = w.shape[1]
+        lo, hi, _ = part.indices(size)
+        if not self.fp8:
+            return w[:, lo:hi] if w.dtype == dtype else w[:, lo:hi].to(dtype)
+        b0 = self.block[0]
+        if size % b0 or lo % b0 or hi % b0:
+            return self.dequantized(dtype).view(groups, size, -1)[:, lo:hi]
+        s = self.weight_scale.view(groups, size // b0, -1)[:, lo // b0: hi // b0]   # [G, (hi-lo)/B0, in/B1]
+        return weight_dequant(w[:, lo:hi].reshape(-1, self.in_features), s.reshape(-1, s.shape[-1]), self.block,
+                              dtype).view(groups, hi - lo, self.in_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:   # x [..., in] -> [..., out]
         if not self.fp8:
             return F.linear(x, self.weight, self.bias)
