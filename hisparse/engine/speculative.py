@@ -64,6 +64,11 @@ class SpeculativeConfig:
                              f"{list(DRAFT_SAMPLE_METHODS)}")
         return cls("dspark", n, method)
 
+    @staticmethod
+    def rows_per_request(spec: "SpeculativeConfig | None") -> int:
+        """Rows one running request adds to a decode step: its token, and its drafts under speculation."""
+        return 1 + (spec.num_speculative_tokens if spec is not None else 0)
+
 
 class Proposer(Protocol):
     """What the decoders need from a drafter (DSparkDrafter, OracleProposer). The engine uses the batch forms."""

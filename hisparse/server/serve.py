@@ -113,7 +113,7 @@ def build_engine(model: ML4, kv: LatentKV, tokenizer, max_model_len: int, max_nu
                  group: DCPGroup | None = None, tp_size: int = 1, graphs: DecodeGraphs | None = None) -> Engine:
     """The engine (rank 0's DCPEngine when `group`, the parallel group, is given)."""
     inner = tokenizer.instruct_tokenizer.tokenizer
-    per_seq = 1 + (speculative.num_speculative_tokens if speculative else 0)   # every decode fits, drafts included
+    per_seq = SpeculativeConfig.rows_per_request(speculative)   # every decode step fits, drafts included
     cfg = SchedulerConfig(max_model_len, max_num_seqs, max(max_num_batched_tokens, max_num_seqs * per_seq))
     kwargs = dict(eos_id=inner.eos_id, decode=inner.decode, speculative=speculative, graphs=graphs)
     if group is None:
@@ -140,7 +140,7 @@ def serve(args: argparse.Namespace, model_dir: Path, dtype: torch.dtype, kv_sett
     speculative = speculative_config(args.speculative_config, model_dir)
     par = parallel_config(args)
     try:     # every rank makes decode graphs for a step of every running request (drafts included), or none does
-        per_seq = 1 + (speculative.num_speculative_tokens if speculative else 0)
+        per_seq = SpeculativeConfig.rows_per_request(speculative)
         graph_rows = args.max_num_seqs * per_seq if graphs_wanted(args.cuda_graph, args.device,
                                                                   kv_settings.kernel_path(args.device)) else 0
     except GraphSettingError as e:
