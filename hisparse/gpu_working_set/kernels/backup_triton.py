@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_support import next_pow2, require
+from .triton_support import launch, next_pow2, require
 
 
 @triton.jit
@@ -32,7 +32,7 @@ def backup(data: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor, block_r: 
         raise ValueError(f"row_bytes: data ({B}) and pool ({pool.shape[1]}) rows must match and be whole words")
     if n:
         W = B // 4
-        _backup_kernel[(triton.cdiv(n, block_r),)](data.contiguous().view(torch.int32), pool.view(torch.int32),
+        launch(_backup_kernel, (triton.cdiv(n, block_r),), data.contiguous().view(torch.int32), pool.view(torch.int32),
                                                    rows.contiguous(), n, W=W, BLOCK_R=block_r,
                                                    BLOCK_W=next_pow2(W))
 

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from .. import resolver
 from ..resolver import EXTRA, KEY_SPAN, NO_KEY, NONE, HotSlots
-from .triton_support import next_pow2, require
+from .triton_support import launch, next_pow2, require
 
 SLOT_BITS = 20      # a hot slot id packed under a position or a stamp: n_slots < 2^20
 # the kernel's constants (Triton reads module globals only as constexpr)
@@ -242,7 +242,7 @@ def miss_path(hot: HotSlots, slot_of_seg: torch.Tensor, step_start: torch.Tensor
     counts = torch.zeros(S, 2, dtype=torch.long, device=dev)
     W = B // 4
     if S and n and k:
-        _kernel[(S,)](
+        launch(_kernel, (S,),
             keys, ent_lo, row_lo, sel, sel.stride(0), sel.stride(1), k,
             slot_of_seg.contiguous(), step_start.contiguous(), step_row0.contiguous(), win_lo.contiguous(),
             win_len.contiguous(), sinks, window, hot.pos, hot.stamp, hot.n_slots, stamp,

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...gpu_working_set.kernels.triton_support import require
+from ...gpu_working_set.kernels.triton_support import launch, require
 from .sparse_mla_triton import _e4m3_to_f32
 from .topk_triton import topk_rows
 
@@ -78,7 +78,7 @@ def paged_scores(q: torch.Tensor, wr: torch.Tensor, keys: torch.Tensor, table: t
     out = torch.empty(n, max_visible, dtype=q.dtype, device=q.device)
     if n and max_visible:
         scales = keys.view(torch.float32) if fp8 else keys
-        _index_scores_kernel[(n, triton.cdiv(max_visible, block_s))](
+        launch(_index_scores_kernel, (n, triton.cdiv(max_visible, block_s)),
             q, q.stride(0), q.stride(1), wr.to(q.dtype).contiguous(), HI, keys, keys.stride(0), scales,
             table, table.stride(0), page_tokens, seg.contiguous(), n_visible.contiguous(), out, out.stride(0),
             max_visible, HI=HI, DI=dI, BLOCK_S=block_s, FP8=fp8, enable_fp_fusion=False)

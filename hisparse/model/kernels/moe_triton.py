@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...gpu_working_set.kernels.triton_support import require
+from ...gpu_working_set.kernels.triton_support import launch, require
 from .sparse_mla_triton import _e4m3_to_f32
 
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 32, 32
@@ -149,10 +149,10 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor, exp
                   else (experts.w1, experts.w3, experts.w2))
     nb_d, nb_h = -(-D // b1), -(-HID // b1)
     if N and bexp.numel():
-        _gate_up_kernel[(bexp.numel(), triton.cdiv(HID, BLOCK_N))](
+        launch(_gate_up_kernel, (bexp.numel(), triton.cdiv(HID, BLOCK_N)),
             x, pairs, bexp, w1, s1, w3, s3, inter, D, HID, k, nb_d, FP8=fp8, B0=b0, B1=b1,
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
-        _down_kernel[(bexp.numel(), triton.cdiv(D, BLOCK_N))](
+        launch(_down_kernel, (bexp.numel(), triton.cdiv(D, BLOCK_N)),
             inter, pairs, bexp, gates.float().contiguous().flatten(), w2, s2, out, D, HID, nb_h, FP8=fp8,
             B0=b0, B1=b1, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
     return out.view(N, k, D).sum(1).to(x.dtype)

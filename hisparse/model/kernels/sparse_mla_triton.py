@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...gpu_working_set.kernels.triton_support import next_pow2, require
+from ...gpu_working_set.kernels.triton_support import launch, next_pow2, require
 from ...host_pool.layout import RowLayout
 
 _FP8 = tl.constexpr(0)
@@ -152,7 +152,7 @@ def sparse_mla_rows(q_lat: torch.Tensor, q_rope: torch.Tensor | None, store: tor
     gain = gain.contiguous() if gain is not None else None
     xs = extra.contiguous() if extra is not None else store
     if n and H:
-        _sparse_mla_kernel[(n, triton.cdiv(H, BLOCK_H))](
+        launch(_sparse_mla_kernel, (n, triton.cdiv(H, BLOCK_H)),
             q_lat, q_lat.stride(0), q_lat.stride(1),
             qr if qr is not None else q_lat, qr.stride(0) if qr is not None else 0,
             qr.stride(1) if qr is not None else 0,

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...gpu_working_set.kernels.triton_support import require
+from ...gpu_working_set.kernels.triton_support import launch, require
 
 BLOCK = 128
 _NEG_INF = tl.constexpr(float("-inf"))
@@ -94,7 +94,7 @@ def topk_rows(scores: torch.Tensor, k: int) -> torch.Tensor:
     scores = scores if scores.stride(1) == 1 else scores.contiguous()
     out = torch.empty(n, k, dtype=torch.long, device=scores.device)
     if n and k:
-        _topk_kernel[(n,)](scores, scores.stride(0), L, k, out, out.stride(0),
+        launch(_topk_kernel, (n,), scores, scores.stride(0), L, k, out, out.stride(0),
                            BITS=8 * scores.element_size(), BLOCK=BLOCK)
     return out
 
