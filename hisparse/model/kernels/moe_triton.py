@@ -35,8 +35,7 @@ def align(ids: torch.Tensor, first: int, n_local: int, block_m: int = BLOCK_M) -
     key = torch.where((local >= 0) & (local < n_local), local, n_local)          # n_local: dropped
     counts = torch.zeros(n_local + 1, dtype=torch.long, device=ids.device).scatter_add_(
         0, key, torch.ones_like(key))                                             # [n_local + 1] (bincount syncs)
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded[n_local] = 0
+    padded = (counts + block_m - 1) // block_m * block_m                          # last (dropped): reaches nothing
     ends = torch.cumsum(padded, 0)                                                # group ends, padded
     order = torch.argsort(key, stable=True)                                       # pairs by expert, in order
     skey = key[order]
