@@ -116,6 +116,32 @@ def test_selections_from_fp8_records_equal_the_naive_reference(context):
     assert not torch.equal(sels["fp8"], sels["fp32"])
 
 
+@pytest.mark.parametrize("context", [23, 300])   # torch path; the fused CPU kernel
+def test_bf16_store_scores_as_the_fp32_store(context):
+    """A bf16 model's index cache (fp8 records, or bf16 keys) selects what an fp32 store of the same keys selects
+    for the same queries: bf16 queries, head weights and keys are scored in fp32 (`score_dtype`), and the records
+    (quantised from the keys' fp32 values) decode exactly into fp32."""
+    cfg = preset("tiny")
+    HI, dI = cfg.index_n_heads, cfg.index_head_dim
+    layer = cfg.index_owner_layers[0]
+    indexer = Indexer(cfg, cfg.layers[layer])
+    g = torch.Generator().manual_seed(context)
+    keys = (torch.randn(context, dI, generator=g) * torch.rand(context, 1, generator=g)).bfloat16()
+    keys[1::4] = keys[0::4][: keys[1::4].shape[0]]                 # exact ties
+    n_q = 20
+    q = torch.randn(n_q, HI, dI, generator=g).bfloat16()
+    w = torch.randn(n_q, HI, generator=g).bfloat16()
+    seg, pos = torch.zeros(n_q, dtype=torch.long), torch.arange(context - n_q, context)
+    for form in ("fp8", "fp32"):
+        sels = []
+        for dtype in (torch.bfloat16, torch.float32):
+            kv = ResidentKV(cfg, "fp8_ds_mla", dtype=dtype, page_tokens=8, index_cache=form)
+            kv.begin_step([Segment("a", 0, context)])
+            kv.write_keys(layer, torch.zeros(context, dtype=torch.long), torch.arange(context), keys.to(dtype))
+            sels.append(kv.select(layer, indexer, q.to(dtype), w.to(dtype), seg, pos))
+        assert torch.equal(sels[0], sels[1]), form
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_cpu_kernel_reads_records_as_their_dequantised_keys(dtype):
     """The fused CPU kernel over fp8 records (decoded as it gathers them) returns the columns and score bits it

@@ -2,8 +2,9 @@
 plain sort (spec §3.6: score descending, ties by position ascending).
 
 The kernel must give exactly the torch path's selections (and scores), in every build (SIMD width, FMA filter on
-or off), including exact ties (integer-valued inputs, ReLU zeros, duplicated keys), near ties (keys ulps apart), rows that see fewer than k keys, -1 padding, fp32 and fp64. A model built
-on either path must produce bit-identical logits.
+or off), including exact ties (integer-valued inputs, ReLU zeros, duplicated keys), near ties (keys ulps apart),
+rows that see fewer than k keys, -1 padding, fp32 and fp64, and bf16/fp16 activations (scored in fp32 on both
+paths, `score_dtype`). A model built on either path must produce bit-identical logits.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 from conftest import full_forward, random_tokens, tiny_model
 from hisparse.model import indexer as indexer_module
 from hisparse.model.batch import ForwardTrace, Segment
-from hisparse.model.indexer import index_scores, select_topk
+from hisparse.model.indexer import index_scores, paged_topk, score_dtype, select_topk
 from hisparse.model.kernels.indexer_topk import Build, fused_topk, fused_topk_paged
 from hisparse.model.kv import ResidentKV
 
@@ -213,7 +214,8 @@ def test_torch_path_against_sort_and_spec(seed: int) -> None:
     got = index_scores(q, wr, keys, torch.full((24,), 299))
     # fp32 rounding bound: each dot has dI roundings, the weighted head sum HI more, all relative to the sum of
     # the magnitudes of what they add (a near-zero score after cancellation can carry an error far above atol)
-    mag = torch.einsum("th,ths->ts", wr.double().abs(), torch.einsum("thd,sd->ths", q.double().abs(), keys.double().abs()))
+    mag = torch.einsum("th,ths->ts", wr.double().abs(),
+                       torch.einsum("thd,sd->ths", q.double().abs(), keys.double().abs()))
     bound = 2 * (q.shape[2] + q.shape[1]) * torch.finfo(torch.float32).eps * mag
     assert bool(((got.double() - ref).abs() <= bound).all())
 
@@ -234,7 +236,40 @@ def test_select_paths_and_chunks_identical(seed: int, monkeypatch: pytest.Monkey
     assert torch.equal(ix.select(q, w, keys, pos), torch_sel)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_activations_score_in_fp32_on_both_paths(seed: int, dtype: torch.dtype,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16/fp16 queries, head weights and keys are scored as their fp32 values: Indexer.select and paged_topk
+    give the same selections (and fp32 score bits) on the fused and the torch path as on fp32 inputs."""
+    ix = tiny_model(seed, dtype=torch.float32).layers[0].attention.indexer
+    g = torch.Generator().manual_seed(seed)
+    kernel = indexer_module.indexer_topk
+    calls = []
+    for name in ("fused_topk", "fused_topk_paged"):
+        fn = getattr(kernel, name)
+        monkeypatch.setattr(kernel, name, lambda *a, fn=fn, **kw: calls.append(a[0].dtype) or fn(*a, **kw))
+    for kind in ("ties", "near"):
+        q, w, keys, _ = random_case(g, dtype, kind, 48, 300, 3, 16)
+        pos = torch.randint(0, 300, (48,), generator=g)
+        sels = {}
+        for pairs in (1 << 62, 0):   # the torch path, then the fused kernel
+            monkeypatch.setattr(indexer_module, "FUSED_MIN_PAIRS", pairs)
+            sels[pairs] = ix.select(q, w, keys, pos), ix.select(q.float(), w.float(), keys.float(), pos)
+        assert all(torch.equal(a, sels[0][0]) for pair in sels.values() for a in pair), kind
+        q, w, arena, table, row_seg, n_visible = paged_case(g, dtype, kind, 8, grouped=False)
+        L = table.shape[1] * 8
+        out = []
+        for pairs in (1 << 62, 0):
+            monkeypatch.setattr(indexer_module, "FUSED_MIN_PAIRS", pairs)
+            for args in ((q, w, arena), (q.float(), w.float(), arena.float())):
+                out.append(paged_topk(ix, *args, table, 8, row_seg, n_visible, L, with_scores=True))
+        for cols, scores in out:
+            assert scores.dtype == score_dtype(dtype) == torch.float32, kind
+            assert torch.equal(cols, out[0][0]) and torch.equal(scores, out[0][1]), kind
+    assert calls == [torch.float32] * 8   # the fused path ran, on fp32 inputs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_model_bit_identical_on_both_paths(seed: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     """A tiny model's full forward gives bit-identical logits and selections on the torch and the fused path."""
     model = tiny_model(seed, dtype=dtype)

@@ -1,6 +1,7 @@
-"""The Triton indexer scoring kernel against the torch path: the same score bits as `index_scores` (fp32 and
-fp64), so the exact top-k selects what `paged_topk` selects, near-ties and exact ties included. Without CUDA the
-kernel runs under Triton's interpreter (tests/conftest.py)."""
+"""The Triton indexer scoring kernel against the torch path: the same score bits as `index_scores` (fp32 and fp64
+queries, and bf16 and fp16 queries scored in fp32, `score_dtype`), so the exact top-k selects what `paged_topk`
+selects, near-ties and exact ties included. Without CUDA the kernel runs under Triton's interpreter
+(tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from hisparse.gpu_working_set.kernels import triton_support
-from hisparse.model.indexer import index_scores, paged_topk
+from hisparse.model.indexer import index_scores, paged_topk, score_dtype
 
 pytestmark = pytest.mark.skipif(
     not (triton_support.available() and (torch.cuda.is_available() or triton_support.interpreted())),
@@ -43,7 +44,7 @@ def paged_case(g: torch.Generator, dtype: torch.dtype, ties: bool):
     return q, wr, keys, table, P, seg, n_visible, int(lengths.max())
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("ties", [False, True])
 def test_scores_bit_identical_and_same_selection(dtype: torch.dtype, ties: bool, seed: int) -> None:
     from hisparse.model.kernels.indexer_triton import paged_scores, paged_topk_triton
@@ -52,9 +53,12 @@ def test_scores_bit_identical_and_same_selection(dtype: torch.dtype, ties: bool,
     j = torch.arange(L)
     per_row = keys[table[seg][:, j // P] * P + j % P]                                   # [n, L, dI]
     ref = index_scores(q, wr, per_row, n_visible - 1)
+    assert ref.dtype == score_dtype(dtype)
+    sd = ref.dtype   # the definition: the inputs converted to the score dtype, then scored in it
+    assert torch.equal(index_scores(q.to(sd), wr.to(sd), per_row.to(sd), n_visible - 1), ref)
     d = lambda t: t.to(DEV)    # noqa: E731
     got = paged_scores(d(q), d(wr), d(keys), d(table), P, d(seg), d(n_visible), L, block_s=8).cpu()
-    assert torch.equal(got, ref)
+    assert got.dtype == sd and torch.equal(got, ref)
     for k in (4, 30):   # the selections, and with_scores (DCP's local candidates) their score bits
         cols, scores = paged_topk(Topk(k), q, wr, keys, table, P, seg, n_visible, L, with_scores=True)
         got, got_scores = paged_topk_triton(d(q), d(wr), d(keys), d(table), P, d(seg), d(n_visible), L, k,
@@ -62,7 +66,7 @@ def test_scores_bit_identical_and_same_selection(dtype: torch.dtype, ties: bool,
         assert torch.equal(got.cpu(), cols) and torch.equal(got_scores.cpu(), scores)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_fp8_records_score_as_their_dequantised_keys(dtype: torch.dtype, seed: int) -> None:
     """Keys stored as the fp8 index cache's 132-B-style records, decoded in the kernel: the score bits of the
     dequantised keys (torch path), and paged_topk's selections; differs from the exact keys' scores."""
@@ -72,7 +76,7 @@ def test_fp8_records_score_as_their_dequantised_keys(dtype: torch.dtype, seed: i
     q, wr, keys, table, P, seg, n_visible, L = paged_case(g, dtype, ties=True)
     keys = keys * torch.logspace(-3, 2, keys.shape[0], dtype=dtype)[:, None]     # scales across many powers of two
     rec = quantise(keys)
-    deq = dequantise(rec, dtype)
+    deq = dequantise(rec, score_dtype(dtype))
     j = torch.arange(L)
     ref = index_scores(q, wr, deq[table[seg][:, j // P] * P + j % P], n_visible - 1)
     d = lambda t: t.to(DEV)    # noqa: E731

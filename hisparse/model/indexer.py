@@ -1,7 +1,9 @@
 """Lightning indexer (spec §3.6): scores every cached key for each query and picks the exact top-k.
 
 Order is normative: score descending, ties by position ascending. Selections are returned as positions in
-ascending order, padded with -1 where a query has fewer than k visible keys.
+ascending order, padded with -1 where a query has fewer than k visible keys. Scores are computed in
+`score_dtype(activation dtype)` (fp32 for fp32, bf16 and fp16 activations, fp64 for fp64) by every scorer: the
+torch path here, the fused CPU kernel (kernels/indexer_topk.py) and the Triton kernel (kernels/indexer_triton.py).
 """
 
 from __future__ import annotations
@@ -23,6 +25,12 @@ FUSED_MIN_PAIRS = 1 << 12     # (query, key) pairs from which select uses the CP
                               # smaller inputs keep the torch reference path in use, at < 1 ms a call)
 
 
+def score_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype indexer scores are computed and returned in for activations of `dtype`: fp64 for fp64, else fp32
+    (as the anchors' indexers score bf16 activations). Queries, head weights and keys convert to it exactly."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def ssmax_gain(scaling: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """SSMax query gain g_h(p) = s_h * ln(p + 1) + b_h (spec §3.4): [T, H]."""
     logp = torch.log1p(positions.to(torch.float64)).to(dtype)
@@ -34,10 +42,13 @@ def index_scores(q: torch.Tensor, wr: torch.Tensor, keys: torch.Tensor, position
     """I[t, s] = sum_h wr[t,h] relu(<q[t,h], keys[s]>), -inf where s > p_t: [T, S] (q [T, HI, dI], wr [T, HI]).
 
     keys [S, dI] are shared by every row, or [T, S, dI] give each row its own (a batch of requests).
-    The rounding is part of the contract, because exact ties decide selections: every product and sum is rounded
-    on its own (no FMA, no GEMM blocking), d and h are summed left to right. So a score does not depend on S or
-    on the device, and the fused CPU kernel (kernels/indexer_topk.cpp) reproduces it bit for bit.
+    The rounding is part of the contract, because exact ties decide selections: q, wr and keys are converted to
+    score_dtype(q.dtype) (exact), then every product and sum is rounded on its own in it (no FMA, no GEMM
+    blocking), d and h are summed left to right. So a score does not depend on S, on the device or on the
+    scorer: the fused CPU kernel (kernels/indexer_topk.cpp) and the Triton kernel reproduce it bit for bit.
     """
+    sd = score_dtype(q.dtype)
+    q, wr, keys = q.to(sd), wr.to(sd), keys.to(sd)
     kt = keys.transpose(-1, -2)                                            # [dI, S] or [T, dI, S]
     col = (lambda d: kt[d]) if keys.dim() == 2 else (lambda d: kt[:, None, d])
     dots = q[:, :, 0, None] * col(0)                                       # [T, HI, S]
@@ -66,6 +77,16 @@ def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     return cols.masked_fill(cols == S, -1)
 
 
+def fused_keys(q: torch.Tensor, wr: torch.Tensor, keys: torch.Tensor, pairs: int) -> torch.Tensor | None:
+    """keys as the fused CPU kernel takes them for q, wr in the score dtype (plain keys widened to it, exactly;
+    fp8 records as they are), or None where the torch path scores: too few (query, key) pairs for the kernel to
+    pay, inputs off the CPU, or no built kernel."""
+    if pairs < FUSED_MIN_PAIRS or keys.device.type != "cpu" or not indexer_topk.available():
+        return None
+    keys = keys if indexer_topk.is_records(q, keys) else keys.to(q.dtype)
+    return keys if indexer_topk.supports(q, wr, keys) else None
+
+
 def paged_topk(indexer: "Indexer", q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, table: torch.Tensor,
                page_tokens: int, seg: torch.Tensor, n_visible: torch.Tensor, max_visible: int,
                with_scores: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -74,27 +95,28 @@ def paged_topk(indexer: "Indexer", q: torch.Tensor, w: torch.Tensor, keys: torch
     q [n, HI, dI], w [n, HI], keys [rows, dI] (row = table[s, j // P] * P + j % P for key j of segment s) or the
     fp8 index cache's records [rows, dI + 4] uint8 (scored as their dequantised keys, `index_cache.dequantise`),
     seg [n], n_visible [n] (row t sees keys 0 .. n_visible[t] - 1), max_visible >= every n_visible (host int).
-    Returns cols [n, k] (key indices ascending, -1 padded) and with_scores their scores [n, k] (-inf padded).
-    CPU inputs go to the fused kernel in one call (it decodes records as it gathers them); elsewhere the torch
-    path scores blocks of rows against their segment's keys gathered (and dequantised) into [S, L, dI]. Both give
-    the selections of select_topk(index_scores(...)).
+    Returns cols [n, k] (key indices ascending, -1 padded) and with_scores their scores [n, k] (-inf padded, in
+    score_dtype(q.dtype)). CPU inputs go to the fused kernel in one call (it decodes records as it gathers them);
+    elsewhere the torch path scores blocks of rows against their segment's keys gathered (and dequantised) into
+    [S, L, dI]. Both give the selections of select_topk(index_scores(...)).
     """
     n, k = q.shape[0], indexer.topk
-    wr = indexer.head_weights(w)
+    sd = score_dtype(q.dtype)
+    q, wr = q.to(sd), indexer.head_weights(w).to(sd)
     L = max_visible
     if n == 0 or L == 0:
         cols = torch.full((n, k), -1, dtype=torch.long, device=q.device)
         return cols, (q.new_full((n, k), float("-inf")) if with_scores else None)
     width = min(k, L)
-    if n * L >= FUSED_MIN_PAIRS and indexer_topk.supports(q, wr, keys) and indexer_topk.available():
+    fused = fused_keys(q, wr, keys, n * L)
+    if fused is not None:
         P = page_tokens
-        cols, scores = indexer_topk.fused_topk_paged(q, wr, keys, table[:, : -(-L // P)], P, seg, n_visible, k,
+        cols, scores = indexer_topk.fused_topk_paged(q, wr, fused, table[:, : -(-L // P)], P, seg, n_visible, k,
                                                      with_scores)
     else:
         j = torch.arange(L, device=keys.device)
         per_seg = keys[table[:, j // page_tokens] * page_tokens + j % page_tokens]      # [S, L, dI (+ 4)]
-        if indexer_topk.is_records(q, keys):
-            per_seg = dequantise(per_seg, q.dtype)
+        per_seg = dequantise(per_seg, sd) if indexer_topk.is_records(q, keys) else per_seg.to(sd)
         rows = max(1, SCORE_BLOCK_ELEMS // max(1, indexer.n_heads * L))
         cols, scores = [], []
         for i in range(0, n, rows):   # blocks of query rows bound the score memory
@@ -154,20 +176,24 @@ class Indexer(nn.Module):
         return torch.cat((apply_rope(v[..., :r], cos, sin, self.interleave), v[..., r:]), dim=-1)
 
     def head_weights(self, w: torch.Tensor) -> torch.Tensor:
-        """w [T, HI] -> w / (sqrt(dI) sqrt(HI)): relu(x)/c == relu(x/c) for c > 0, so both scales go here."""
-        return w / (math.sqrt(self.head_dim) * math.sqrt(self.n_heads))
+        """w [T, HI] -> w / (sqrt(dI) sqrt(HI)) in the score dtype (w converted first, exactly): relu(x)/c ==
+        relu(x/c) for c > 0, so both scales go here."""
+        return w.to(score_dtype(w.dtype)) / (math.sqrt(self.head_dim) * math.sqrt(self.n_heads))
 
     def select(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Top-k over keys [S, dI] (positions 0..S-1) for queries q [T, HI, dI] at `positions` -> [T, min(k,S)].
 
         Large CPU inputs go to the fused kernel (scores never stored), the rest to index_scores + select_topk on
-        blocks of queries: both give identical selections."""
-        wr = self.head_weights(w)
+        blocks of queries: both give identical selections (scores in score_dtype(q.dtype))."""
+        sd = score_dtype(q.dtype)
+        q, wr = q.to(sd), self.head_weights(w).to(sd)
         S = keys.shape[0]
         if q.shape[0] == 0:      # a segment with no query rows here (see AttentionBatch.narrow_)
             return torch.empty(0, min(self.topk, S), dtype=torch.long, device=q.device)
-        if q.shape[0] * S >= FUSED_MIN_PAIRS and indexer_topk.supports(q, wr, keys) and indexer_topk.available():
-            return indexer_topk.fused_topk(q, wr, keys, (positions + 1).clamp(0, S), self.topk)[0]
+        fused = fused_keys(q, wr, keys, q.shape[0] * S)
+        if fused is not None:
+            return indexer_topk.fused_topk(q, wr, fused, (positions + 1).clamp(0, S), self.topk)[0]
+        keys = keys.to(sd)
         rows = max(1, SCORE_BLOCK_ELEMS // max(1, self.n_heads * S))
         out = []
         for i in range(0, q.shape[0], rows):   # blocks of queries bound the score memory

@@ -5,9 +5,11 @@ left to right, no fused multiply-add), so the exact top-k that follows (`topk_tr
 included.
 
 One program per (query row, block of key positions); keys are read through the page table, no [S, L, dI]
-gather. Scores are in the queries' dtype; keys past a row's visible count score -inf. Keys are plain [rows, dI]
-in the queries' dtype, or the fp8 index cache's records [rows, dI + 4] uint8 (`model.index_cache`), decoded in
-the kernel: e4m3 times the record's power-of-two scale, exact, so the scores are those of the dequantised keys.
+gather. Scores are in `indexer.score_dtype` of the queries' dtype (fp32 for fp32, bf16 and fp16 queries, fp64 for
+fp64): queries, head weights and keys are converted to it as they are loaded (exact), and every product and sum
+is taken in it. Keys past a row's visible count score -inf. Keys are plain [rows, dI] (the store's dtype), or the
+fp8 index cache's records [rows, dI + 4] uint8 (`model.index_cache`), decoded in the kernel: e4m3 times the
+record's power-of-two scale, exact, so the scores are those of the dequantised keys.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ import triton
 import triton.language as tl
 
 from ...gpu_working_set.kernels.triton_support import launch, require
+from ..indexer import score_dtype
 from .sparse_mla_triton import _e4m3_to_f32
 from .topk_triton import topk_rows
 
 _NEG_INF = tl.constexpr(float("-inf"))
+_TRITON_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 
 
 @triton.jit
@@ -30,7 +34,7 @@ def _index_scores_kernel(
         scale_ptr,                                      # FP8: the records as fp32 [rows, (dI + 4) / 4]
         table_ptr, table_s0, page_tokens,               # [S, pages] page ids
         seg_ptr, n_visible_ptr,                         # [n] each row's segment and visible key count
-        out_ptr, out_s0, L,                             # scores [n, L]
+        out_ptr, out_s0, L,                             # scores [n, L] in the score dtype
         HI: tl.constexpr, DI: tl.constexpr, BLOCK_S: tl.constexpr, FP8: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -39,32 +43,34 @@ def _index_scores_kernel(
     page = tl.load(table_ptr + seg * table_s0 + s // page_tokens, mask=visible, other=0)
     row = (page * page_tokens + s % page_tokens).to(tl.int64)
     key = keys_ptr + row * keys_s0
-    kdt = q_ptr.dtype.element_ty
+    sdt = out_ptr.dtype.element_ty                     # the score dtype: every value below is converted to it
     if FP8:
         scale = tl.load(scale_ptr + row * (keys_s0 // 4) + DI // 4, mask=visible, other=0.0)
-    score = tl.zeros([BLOCK_S], kdt)
+    score = tl.zeros([BLOCK_S], sdt)
     for h in range(HI):
         qh = q_ptr + t * q_s0 + h * q_s1
-        if FP8:   # e4m3 x a power of two: exact, the dequantised key's value in any float dtype
-            dot = tl.load(qh) * (_e4m3_to_f32(tl.load(key, mask=visible, other=0).to(tl.int32)) * scale).to(kdt)
+        if FP8:   # e4m3 x a power of two: exact in fp32 and fp64
+            k = (_e4m3_to_f32(tl.load(key, mask=visible, other=0).to(tl.int32)) * scale).to(sdt)
+            dot = tl.load(qh).to(sdt) * k
             for d in range(1, DI):
-                k = (_e4m3_to_f32(tl.load(key + d, mask=visible, other=0).to(tl.int32)) * scale).to(kdt)
-                dot = dot + tl.load(qh + d) * k
+                k = (_e4m3_to_f32(tl.load(key + d, mask=visible, other=0).to(tl.int32)) * scale).to(sdt)
+                dot = dot + tl.load(qh + d).to(sdt) * k
         else:
-            dot = tl.load(qh) * tl.load(key, mask=visible, other=0.0)
+            dot = tl.load(qh).to(sdt) * tl.load(key, mask=visible, other=0.0).to(sdt)
             for d in range(1, DI):
-                dot = dot + tl.load(qh + d) * tl.load(key + d, mask=visible, other=0.0)
-        term = tl.load(wr_ptr + t * wr_s0 + h) * tl.maximum(dot, 0.0)
+                dot = dot + tl.load(qh + d).to(sdt) * tl.load(key + d, mask=visible, other=0.0).to(sdt)
+        term = tl.load(wr_ptr + t * wr_s0 + h).to(sdt) * tl.maximum(dot, 0.0)
         score = tl.where(h == 0, term, score + term)      # the first head's term as is, as index_scores
     tl.store(out_ptr + t * out_s0 + s, tl.where(visible, score, _NEG_INF), mask=s < L)
 
 
 def paged_scores(q: torch.Tensor, wr: torch.Tensor, keys: torch.Tensor, table: torch.Tensor, page_tokens: int,
                  seg: torch.Tensor, n_visible: torch.Tensor, max_visible: int, block_s: int = 128) -> torch.Tensor:
-    """Scores [n, max_visible] of query rows q [n, HI, dI] with head weights wr [n, HI] (already scaled,
-    `Indexer.head_weights`) over keys [rows, dI] (key j of segment s at row table[s, j // P] * P + j % P), or fp8
-    key records [rows, dI + 4] uint8 (scored as their dequantised keys); row t sees keys 0 .. n_visible[t] - 1,
-    the rest score -inf. Same bits as `indexer.index_scores` (of the dequantised keys)."""
+    """Scores [n, max_visible] (in score_dtype(q.dtype)) of query rows q [n, HI, dI] with head weights wr [n, HI]
+    (already scaled, `Indexer.head_weights`) over keys [rows, dI] (key j of segment s at row
+    table[s, j // P] * P + j % P), or fp8 key records [rows, dI + 4] uint8 (scored as their dequantised keys); row
+    t sees keys 0 .. n_visible[t] - 1, the rest score -inf. Same bits as `indexer.index_scores` (of the
+    dequantised keys)."""
     require(q)
     n, HI, dI = q.shape
     fp8 = keys.dtype == torch.uint8
@@ -72,14 +78,15 @@ def paged_scores(q: torch.Tensor, wr: torch.Tensor, keys: torch.Tensor, table: t
         raise ValueError(f"paged_scores: fp8 key records must be [rows, {dI + 4}] with dI % 4 == 0, not "
                          f"{list(keys.shape)}")
     q = q if q.stride(2) == 1 else q.contiguous()
-    keys = keys.contiguous() if fp8 else keys.to(q.dtype)
+    keys = keys.contiguous() if fp8 else keys
     keys = keys if keys.stride(1) == 1 else keys.contiguous()
     table = table if table.stride(1) == 1 else table.contiguous()
-    out = torch.empty(n, max_visible, dtype=q.dtype, device=q.device)
+    sd = score_dtype(q.dtype)
+    out = torch.empty(n, max_visible, dtype=sd, device=q.device)
     if n and max_visible:
         scales = keys.view(torch.float32) if fp8 else keys
         launch(_index_scores_kernel, (n, triton.cdiv(max_visible, block_s)),
-            q, q.stride(0), q.stride(1), wr.to(q.dtype).contiguous(), HI, keys, keys.stride(0), scales,
+            q, q.stride(0), q.stride(1), wr.to(sd).contiguous(), HI, keys, keys.stride(0), scales,
             table, table.stride(0), page_tokens, seg.contiguous(), n_visible.contiguous(), out, out.stride(0),
             max_visible, HI=HI, DI=dI, BLOCK_S=block_s, FP8=fp8, enable_fp_fusion=False)
     return out
@@ -89,7 +96,7 @@ def paged_topk_triton(q: torch.Tensor, wr: torch.Tensor, keys: torch.Tensor, tab
                       page_tokens: int, seg: torch.Tensor, n_visible: torch.Tensor, max_visible: int, k: int,
                       with_scores: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Exact top-k (positions ascending, -1 padded) of `paged_scores`, as `indexer.paged_topk` returns it: cols
-    [n, k] and with_scores their scores [n, k] (-inf padded)."""
+    [n, k] and with_scores their scores [n, k] (-inf padded, in score_dtype(q.dtype))."""
     scores = paged_scores(q, wr, keys, table, page_tokens, seg, n_visible, max_visible)          # [n, L]
     cols = topk_rows(scores, k)
     if not with_scores:
@@ -97,14 +104,16 @@ def paged_topk_triton(q: torch.Tensor, wr: torch.Tensor, keys: torch.Tensor, tab
     return cols, scores.gather(1, cols.clamp(min=0)).masked_fill(cols < 0, float("-inf"))
 
 
-def aot_source(heads: int = 64, head_dim: int = 128, block_s: int = 128, fp8: bool = False
-               ) -> triton.compiler.ASTSource:
-    """The scoring kernel for fp32 queries at full size (ML4's 64 indexer heads of 128) over fp32 keys or (fp8)
-    132-B key records, for AOT compilation."""
-    sig = {"q_ptr": "*fp32", "q_s0": "i64", "q_s1": "i64", "wr_ptr": "*fp32", "wr_s0": "i64",
-           "keys_ptr": "*u8" if fp8 else "*fp32", "keys_s0": "i64", "scale_ptr": "*fp32", "table_ptr": "*i64",
-           "table_s0": "i64", "page_tokens": "i32", "seg_ptr": "*i64", "n_visible_ptr": "*i64", "out_ptr": "*fp32",
-           "out_s0": "i64", "L": "i32"}
+def aot_source(heads: int = 64, head_dim: int = 128, block_s: int = 128, fp8: bool = False,
+               dtype: torch.dtype = torch.float32) -> triton.compiler.ASTSource:
+    """The scoring kernel for queries of `dtype` (fp32, bf16, fp16 or fp64) at full size (ML4's 64 indexer heads
+    of 128) over keys of that dtype or (fp8) 132-B key records, for AOT compilation; head weights and scores in
+    the score dtype."""
+    dtype, sd = _TRITON_TYPES[dtype], _TRITON_TYPES[score_dtype(dtype)]
+    sig = {"q_ptr": f"*{dtype}", "q_s0": "i64", "q_s1": "i64", "wr_ptr": f"*{sd}", "wr_s0": "i64",
+           "keys_ptr": "*u8" if fp8 else f"*{dtype}", "keys_s0": "i64", "scale_ptr": "*fp32" if fp8 else f"*{dtype}",
+           "table_ptr": "*i64", "table_s0": "i64", "page_tokens": "i32", "seg_ptr": "*i64", "n_visible_ptr": "*i64",
+           "out_ptr": f"*{sd}", "out_s0": "i64", "L": "i32"}
     const = {"HI": heads, "DI": head_dim, "BLOCK_S": block_s, "FP8": fp8}
     return triton.compiler.ASTSource(fn=_index_scores_kernel, signature=sig | dict.fromkeys(const, "constexpr"),
                                      constexprs=const)
