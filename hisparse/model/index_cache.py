@@ -3,12 +3,14 @@
 fp8: one record per token per indexer-owning layer, dI x fp8_e4m3 || one fp32 scale (132 B at full size). The
 scale is DeepSeek-V3.2's indexer-key quantizer (vLLM's `indexer_k_quant_and_cache` with ue8m0 scales): a power
 of two, s = 2^ceil(log2(max(amax, AMAX_FLOOR) / 448)), k8 = e4m3(k / s). Because s is a power of two, the
-dequantised key e4m3(k8) * s is exact in fp32, fp64 and bf16; every scorer decodes the records to those values
-(the CPU kernel and the Triton kernel as they gather them, the torch path after its gather) and scores them as
-plain keys, so its scores are those of the naive reference "quantise, dequantise, score" bit for bit. Queries
-stay in the compute dtype (the spec's reference omits their fp8 emulation, §8 A11).
+dequantised key e4m3(k8) * s is exact in fp32 and fp64, the score dtypes (`indexer.score_dtype`); every scorer
+decodes the records to those values in the score dtype (the CPU kernel and the Triton kernel as they gather them,
+the torch path after its gather) and scores them as plain keys, so its scores are those of the naive reference
+"quantise, dequantise, score" bit for bit. Queries are not quantised (the spec's reference omits their fp8
+emulation, §8 A11).
 
-fp32: keys in the compute dtype (the exact reference; named after the default float32 compute dtype).
+fp32: keys in the compute dtype (the exact reference; named after the default float32 compute dtype), scored as
+their values in the score dtype.
 """
 
 from __future__ import annotations
