@@ -1,7 +1,8 @@
 """The Triton sparse MLA decode kernel against the torch path (`kv.sparse_mla` over `RowLayout.gather_unpack`
 rows): latent output and LSE within fp32 rounding, for both byte layouts, NoPE, the SSMax gain, empty and
-partial selections, transient rows read from a second store, k off the tile multiple, non-contiguous inputs.
-Without CUDA the kernel runs under Triton's interpreter (tests/conftest.py)."""
+partial selections, transient rows read from a second store, k off the tile multiple, non-contiguous inputs; with
+bf16 queries (the CUDA default), no farther from an fp64 reference than the torch path in bf16 is (within a small
+factor). Without CUDA the kernel runs under Triton's interpreter (tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -19,15 +20,29 @@ pytestmark = pytest.mark.skipif(
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def reference(q, qr, store, idx, layout, scale, gain=None, extra=None):
+def reference(q, qr, store, idx, layout, scale, gain=None, extra=None, dtype=torch.float32):
+    """`sparse_mla` in `dtype` (queries, gain and decoded rows converted to it), as the torch store attends."""
     both = store if extra is None else torch.cat((store, extra))
-    rows = layout.gather_unpack(both, idx.clamp(min=0), torch.float32)
+    rows = layout.gather_unpack(both, idx.clamp(min=0), dtype)
+    q, qr, gain = (None if t is None else t.to(dtype) for t in (q, qr, gain))
     if gain is not None:
         q, qr = q * gain[..., None], (qr * gain[..., None] if qr is not None else None)
     return sparse_mla(q, qr, rows, idx >= 0, scale, layout.rank)
 
 
-def run(g, name, rank, rope, n, H, k, rows, *, nope=False, gain=False, extra_rows=0, empty_rows=(), block_k=16):
+def max_error(got: torch.Tensor, exact: torch.Tensor) -> float:
+    """Largest absolute difference from the fp64 reference, where it is finite (an -inf LSE must match)."""
+    finite = torch.isfinite(exact)
+    assert torch.equal(torch.isneginf(got), torch.isneginf(exact))
+    return float((got.double() - exact)[finite].abs().max()) if finite.any() else 0.0
+
+
+def run(g, name, rank, rope, n, H, k, rows, *, nope=False, gain=False, extra_rows=0, empty_rows=(), block_k=16,
+        dtype=torch.float32):
+    """The kernel on random rows against the torch path. fp32 queries: within fp32 rounding. bf16 queries: both
+    the kernel (fp32 inside, bf16 out) and the torch path in bf16 against `sparse_mla` in fp64 on the same
+    inputs; the kernel's largest error at most twice the torch path's (which also rounds logits, weights and rows
+    to bf16), or twice the error of rounding the fp64 result to bf16, which no bf16 output can avoid."""
     from hisparse.model.kernels.sparse_mla_triton import sparse_mla_rows
     layout = RowLayout.create(name, rank, rope)
     r = lambda *s: torch.randn(*s, generator=g)   # noqa: E731
@@ -39,28 +54,38 @@ def run(g, name, rank, rope, n, H, k, rows, *, nope=False, gain=False, extra_row
         idx[i] = -1
     q, qr = r(n, H, rank) * 0.3, (None if nope else r(n, H, rope) * 0.3)
     gn = (torch.rand(n, H, generator=g) + 0.5) if gain else None
+    q, qr, gn = (None if t is None else t.to(dtype) for t in (q, qr, gn))
     scale = (rank + rope) ** -0.5
-    ref_o, ref_lse = reference(q, qr, store, idx, layout, scale, gn, extra)
+    ref_o, ref_lse = reference(q, qr, store, idx, layout, scale, gn, extra, dtype)
     d = lambda t: None if t is None else t.to(DEV)    # noqa: E731
     o, lse = sparse_mla_rows(d(q), d(qr), d(store), d(idx), layout, scale, d(gn), d(extra), block_k=block_k)
-    torch.testing.assert_close(o.cpu(), ref_o, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(lse.cpu(), ref_lse, rtol=1e-5, atol=1e-5)
+    o, lse = o.cpu(), lse.cpu()
+    assert o.dtype == lse.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(o, ref_o, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+        return o, lse
+    exact_o, exact_lse = reference(q, qr, store, idx, layout, scale, gn, extra, torch.float64)
+    for got, torch_path, exact in ((o, ref_o, exact_o), (lse, ref_lse, exact_lse)):
+        assert max_error(got, exact) <= 2 * max(max_error(torch_path, exact), max_error(exact.to(dtype), exact))
     return o, lse
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["fp8_ds_mla", "bf16"])
-def test_small_rows(name: str, seed: int) -> None:
+def test_small_rows(name: str, dtype: torch.dtype, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
-    run(g, name, 32, 16, n=3, H=5, k=21, rows=40)                      # k off the tile multiple, H < block
-    run(g, name, 32, 8, n=2, H=3, k=7, rows=9, nope=True, gain=True)   # NoPE rows, SSMax gain, dR < 16
-    o, lse = run(g, name, 64, 16, n=4, H=2, k=33, rows=30, extra_rows=12, empty_rows=(2,), block_k=32)
+    run(g, name, 32, 16, n=3, H=5, k=21, rows=40, dtype=dtype)                      # k off the tile multiple
+    run(g, name, 32, 8, n=2, H=3, k=7, rows=9, nope=True, gain=True, dtype=dtype)   # NoPE, SSMax gain, dR < 16
+    o, lse = run(g, name, 64, 16, n=4, H=2, k=33, rows=30, extra_rows=12, empty_rows=(2,), block_k=32, dtype=dtype)
     assert torch.isneginf(lse[2]).all() and not o[2].any()             # nothing selected: lse -inf, output 0
 
 
-def test_full_size_fp8_row(seed: int) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_full_size_fp8_row(dtype: torch.dtype, seed: int) -> None:
     """The 656-byte fp8_ds_mla row (r = 512, tiles of 128, dR = 64) with ML4's 128 heads in blocks of 64."""
     g = torch.Generator().manual_seed(seed)
-    run(g, "fp8_ds_mla", 512, 64, n=1, H=128, k=16, rows=20, gain=True)
+    run(g, "fp8_ds_mla", 512, 64, n=1, H=128, k=16, rows=20, gain=True, dtype=dtype)
 
 
 def test_non_contiguous_inputs(seed: int) -> None:
