@@ -15,7 +15,7 @@ import contextlib
 import os
 import traceback
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -48,6 +48,32 @@ KNOWN = {
 }
 
 
+def reads_device(func: torch._ops.OpOverload, args: tuple) -> bool:
+    """Whether an aten call makes the host wait for a device value: a sync op, or indexing by a boolean mask."""
+    name = func._schema.name.split("::")[-1]
+    indices = args[1] if name.startswith("index") and len(args) > 1 and isinstance(args[1], (list, tuple)) else ()
+    return name in SYNC_OPS or any(isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in indices)
+
+
+@contextlib.contextmanager
+def host_reads(record: Callable[[str], None]) -> Iterator[None]:
+    """Call record(method) at every host read of a tensor that bypasses the dispatcher (`HOST_READS`)."""
+    saved = {n: getattr(torch.Tensor, n) for n in HOST_READS}
+
+    def wrap(name, fn):
+        def read(t, *a, **k):
+            record(name)
+            return fn(t, *a, **k)
+        return read
+    for n, fn in saved.items():
+        setattr(torch.Tensor, n, wrap(n, fn))
+    try:
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(torch.Tensor, n, fn)
+
+
 class SyncAudit(TorchDispatchMode):
     """Counts sync-prone ops by their innermost hisparse frame, while `active`."""
 
@@ -66,29 +92,12 @@ class SyncAudit(TorchDispatchMode):
         self.sites[(f.filename[len(PACKAGE):], f.name)] += 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func._schema.name.split("::")[-1]
-        indices = args[1] if name.startswith("index") and len(args) > 1 and isinstance(args[1], (list, tuple)) \
-            else ()
-        if name in SYNC_OPS or any(isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in indices):
+        if reads_device(func, args):
             self.record()
         return func(*args, **(kwargs or {}))
 
-    @contextlib.contextmanager
-    def host_reads(self) -> Iterator[None]:
-        saved = {n: getattr(torch.Tensor, n) for n in HOST_READS}
-
-        def wrap(fn):
-            def read(t, *a, **k):
-                self.record()
-                return fn(t, *a, **k)
-            return read
-        for n, fn in saved.items():
-            setattr(torch.Tensor, n, wrap(fn))
-        try:
-            yield
-        finally:
-            for n, fn in saved.items():
-                setattr(torch.Tensor, n, fn)
+    def host_reads(self) -> contextlib.AbstractContextManager[None]:
+        return host_reads(lambda _: self.record())
 
 
 @pytest.fixture

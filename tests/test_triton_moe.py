@@ -1,28 +1,32 @@
-"""The grouped-GEMM MoE kernels (Triton, interpreted on CPU tensors here) against the per-expert torch path: the
-device-side alignment of (token, slot) pairs by expert, and the routed experts' output over plain and FP8 expert
-weights, every expert local or an expert-parallel rank's subset, batches from 1 token up, experts with no token."""
+"""The grouped-GEMM MoE kernels (Triton: compiled on CUDA tensors where CUDA is present, interpreted on CPU tensors
+otherwise) against the per-expert torch path: the device-side alignment of (token, slot) pairs by expert, and the
+routed experts' output over plain and FP8 expert weights, every expert local or an expert-parallel rank's subset,
+batches from 1 token up, experts with no token."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from conftest import full_forward, tiny_model
+from conftest import tiny_model
 from hisparse.gpu_working_set.kernels import triton_support
+from hisparse.model.batch import Segment
 from hisparse.model.kernels.moe_triton import BLOCK_M, align
+from hisparse.model.kv import ResidentKV
 from hisparse.model.linear import weight_quant
 from hisparse.model.moe import MoE, route
 
 pytestmark = [pytest.mark.usefixtures("single_thread"),
               pytest.mark.skipif(not triton_support.interpreted() and not torch.cuda.is_available(),
                                  reason="needs Triton's interpreter (CPU) or CUDA")]
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @pytest.mark.parametrize("n, first, n_local", [(1, 0, 8), (7, 0, 8), (40, 2, 3), (3, 6, 2)])
 def test_align_groups_every_local_pair_once(seed: int, n: int, first: int, n_local: int) -> None:
     g = torch.Generator().manual_seed(seed + n)
     ids = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(n)])          # [n, 2], distinct per row
-    pairs, bexp = align(ids, first, n_local)
+    pairs, bexp = (t.cpu() for t in align(ids.to(DEV), first, n_local))
     flat = ids.flatten()
     local = [p for p in range(flat.numel()) if first <= flat[p] < first + n_local]
     assert sorted(p for p in pairs.tolist() if p >= 0) == local                           # each local pair once
@@ -42,7 +46,8 @@ def test_align_reads_nothing_on_the_host(seed: int) -> None:
     """The grouping runs on the device without a host read (no bincount, nonzero, item, ...), as the layer loop
     requires; audited as test_host_sync audits the decode path."""
     from test_host_sync import SyncAudit
-    ids = torch.stack([torch.randperm(8, generator=torch.Generator().manual_seed(seed + i))[:2] for i in range(9)])
+    ids = torch.stack([torch.randperm(8, generator=torch.Generator().manual_seed(seed + i))[:2]
+                       for i in range(9)]).to(DEV)
     audit = SyncAudit()
     audit.active = True
     with audit, audit.host_reads():
@@ -51,13 +56,14 @@ def test_align_reads_nothing_on_the_host(seed: int) -> None:
 
 
 def moe_layer(seed: int, fp8: bool, dim: int = 64, hidden: int = 48) -> MoE:
+    """An fp32 MoE layer of a tiny model on DEV, its experts' linears plain or FP8 (16 x 16 blocks)."""
     model = tiny_model(seed, torch.float32, sharp=False, dim=dim, moe={"expert_hidden_dim": hidden})
     moe = next(b.moe for b in model.layers if b.spec.ffn != "dense")
     if fp8:
         for expert in moe.experts:
             for lin in (expert.w1, expert.w2, expert.w3):
                 lin.to_fp8(*weight_quant(lin.weight.detach(), (16, 16)), (16, 16))
-    return moe
+    return moe.to(DEV)
 
 
 @torch.no_grad()
@@ -67,7 +73,7 @@ def test_grouped_experts_equal_the_per_expert_path(seed: int, fp8: bool, n: int,
     moe = moe_layer(seed, fp8)
     if local is not None:                        # an expert-parallel rank: experts 2..4 only
         moe.local_experts = range(*local)
-    y = torch.randn(n, 64, generator=torch.Generator().manual_seed(seed)) * 3
+    y = (torch.randn(n, 64, generator=torch.Generator().manual_seed(seed)) * 3).to(DEV)
     ids, gates = route(torch.nn.functional.linear(y, moe.gate.weight), moe.top_k)
     want = moe.per_expert(y, ids, gates)
     got = moe.grouped(y, ids, gates)
@@ -84,9 +90,12 @@ def test_grouped_experts_equal_the_per_expert_path(seed: int, fp8: bool, n: int,
 
 def test_model_with_grouped_experts_gives_the_torch_logits(seed: int) -> None:
     """A whole forward (dense layer 0, MoE layers) with --kernels triton for the experts vs torch."""
-    model = tiny_model(seed, torch.float32, sharp=False)
-    tokens = torch.randperm(model.cfg.vocab_size, generator=torch.Generator().manual_seed(seed))[:40]
-    want, _ = full_forward(model, tokens)
+    model = tiny_model(seed, torch.float32, sharp=False).to(DEV)
+    tokens = torch.randperm(model.cfg.vocab_size, generator=torch.Generator().manual_seed(seed))[:40].to(DEV)
+
+    def forward() -> torch.Tensor:
+        return model(tokens, [Segment(0, 0, len(tokens))], ResidentKV(model.cfg, None, DEV))
+    want = forward()
     model.use_kernels("triton")
-    got, _ = full_forward(model, tokens)
+    got = forward()
     assert float((got - want).abs().max() / want.abs().max()) < 1e-5
