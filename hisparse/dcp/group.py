@@ -19,6 +19,9 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 60.0
+# torch 2.11 (the GPU image's) has only all_gather_into_tensor; later torch names it all_gather_single and
+# deprecates the old name. Same collective, same result.
+_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 
 class DCPError(RuntimeError):
@@ -98,7 +101,7 @@ class DCPGroup:
         x = self._check(x, "all_gather", what)
         out = x.new_empty((self.size * x.shape[0], *x.shape[1:]))
         try:
-            dist.all_gather_single(out, x, group=self.pg)
+            _all_gather_single(out, x, group=self.pg)
         except Exception as e:   # noqa: BLE001 - every backend failure (timeout, closed peer) means the same here
             raise self._failed("all_gather", what, e) from e
         return out.view(self.size, *x.shape)
