@@ -36,10 +36,3 @@ def backup(data: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor, block_r: 
                                                    rows.contiguous(), n, W=W, BLOCK_R=block_r,
                                                    BLOCK_W=next_pow2(W))
 
-
-def aot_source(row_bytes: int = 656, block_r: int = 16) -> triton.compiler.ASTSource:
-    """The kernel as `backup` launches it for rows of row_bytes, for ahead-of-time compilation."""
-    sig = {"src_ptr": "*i32", "dst_ptr": "*i32", "rows_ptr": "*i64", "n": "i32"}
-    const = {"W": row_bytes // 4, "BLOCK_R": block_r, "BLOCK_W": next_pow2(row_bytes // 4)}
-    return triton.compiler.ASTSource(fn=_backup_kernel, signature=sig | dict.fromkeys(const, "constexpr"),
-                                     constexprs=const)

@@ -157,6 +157,9 @@ def _miss_path_kernel(
         fill = miss & (rank < n_free)
         victim = tl.load(sorted_ptr + s * BLOCK_N + tl.minimum(rank, BLOCK_N - 1), mask=fill, other=0) & _SLOT_MASK
         pos = tl.load(keys_ptr + e, mask=live, other=0) - seg_key
+        # every warp's loads of these entries come before any warp's stores to them: the compiler may load an
+        # entry once per register layout, in different warps, and a warp that lags would read the stored kind
+        tl.debug_barrier()
         tl.store(hot_pos_ptr + hot0 + victim, pos, mask=fill)
         tl.store(hot_stamp_ptr + hot0 + victim, tl.zeros([BLOCK_E], tl.int64) + stamp, mask=fill)
         tl.store(ent_kind_ptr + e, tl.where(fill, _HOT, _EXTRA).to(tl.int64), mask=miss)
@@ -170,7 +173,7 @@ def _miss_path_kernel(
             hot_row = tl.load(kind_base_ptr + m * 5 + _HOT) + hot0 + victim
             dest = tl.where(fill, arena_ptr + hot_row * W, extra_ptr + (m * n_entries + e.to(tl.int64)) * W)
             tl.store(dest[:, None] + w[None, :], row, mask=cp)
-    tl.debug_barrier()
+        tl.debug_barrier()             # this block's stores before the next block's loads
 
     # 5. every selected position of this segment's query rows -> its arena row, for every member layer
     q_lo = tl.load(row_lo_ptr + s)
@@ -255,20 +258,3 @@ def miss_path(hot: HotSlots, slot_of_seg: torch.Tensor, step_start: torch.Tensor
             KEY_SPAN_C=KEY_SPAN)
     return MissPath(idx, extra if transient else None, keys, kind, local, counts)
 
-
-def aot_source(row_bytes: int = 656, n_slots: int = 4096, block_e: int = 64) -> triton.compiler.ASTSource:
-    """The kernel as `miss_path` launches it for rows of row_bytes and n_slots hot slots (full size: fp8_ds_mla
-    rows, the default hot buffer of 2 x top-k), for ahead-of-time compilation (`hisparse.triton_kernels`)."""
-    ptr64, ptr32 = "*i64", "*i32"
-    sig = {"keys_ptr": ptr64, "ent_lo_ptr": ptr64, "row_lo_ptr": ptr64, "sel_ptr": ptr64, "sel_s0": "i64",
-           "sel_s1": "i64", "k": "i32", "slot_of_seg_ptr": ptr64, "step_start_ptr": ptr64, "step_row0_ptr": ptr64,
-           "win_lo_ptr": ptr64, "win_len_ptr": ptr64, "sinks": "i32", "window": "i32", "hot_pos_ptr": ptr64,
-           "hot_stamp_ptr": ptr64, "n_slots": "i32", "stamp": "i64", "pages_ptr": ptr64, "pages_s0": "i32",
-           "page_tokens": "i32", "pool_ptr": ptr32, "pool_off_ptr": ptr64, "arena_ptr": ptr32,
-           "n_arena_rows": "i64", "kind_base_ptr": ptr64, "n_members": "i32", "extra_ptr": ptr32,
-           "n_entries": "i64", "ent_kind_ptr": ptr64, "ent_local_ptr": ptr64, "sorted_ptr": ptr64,
-           "hit_ptr": ptr32, "out_ptr": ptr64, "n_rows": "i32", "log_e": "i32", "counts_ptr": ptr64}
-    block_n = max(2, next_pow2(n_slots))
-    const = {"W": row_bytes // 4, "BLOCK_W": next_pow2(row_bytes // 4), "BLOCK_N": block_n,
-             "LOG_N": block_n.bit_length() - 1, "BLOCK_E": block_e, "KEY_SPAN_C": KEY_SPAN}
-    return triton.compiler.ASTSource(fn=_kernel, signature=sig | dict.fromkeys(const, "constexpr"), constexprs=const)

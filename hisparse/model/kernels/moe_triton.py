@@ -156,17 +156,3 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor, exp
             B0=b0, B1=b1, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
     return out.view(N, k, D).sum(1).to(x.dtype)
 
-
-def aot_sources(fp8: bool = True, block: tuple[int, int] = (128, 128)) -> dict[str, "triton.compiler.ASTSource"]:
-    """Both kernels as `grouped_experts` launches them for bf16 activations over FP8 (or bf16) expert weights, for
-    ahead-of-time compilation."""
-    w = "*u8" if fp8 else "*bf16"
-    const = {"FP8": fp8, "B0": block[0] if fp8 else 1, "B1": block[1] if fp8 else 1, "BLOCK_M": BLOCK_M,
-             "BLOCK_N": BLOCK_N, "BLOCK_K": BLOCK_K}
-    up = {"x_ptr": "*bf16", "pairs_ptr": "*i64", "bexp_ptr": "*i64", "w1_ptr": w, "s1_ptr": "*fp32", "w3_ptr": w,
-          "s3_ptr": "*fp32", "inter_ptr": "*fp32", "D": "i32", "HID": "i32", "TOPK": "i32", "NB1": "i32"}
-    down = {"inter_ptr": "*fp32", "pairs_ptr": "*i64", "bexp_ptr": "*i64", "gate_ptr": "*fp32", "w2_ptr": w,
-            "s2_ptr": "*fp32", "out_ptr": "*fp32", "D": "i32", "HID": "i32", "NB1": "i32"}
-    return {name: triton.compiler.ASTSource(fn=fn, signature=sig | dict.fromkeys(const, "constexpr"),
-                                            constexprs=const)
-            for name, fn, sig in (("gate_up", _gate_up_kernel, up), ("down", _down_kernel, down))}

@@ -48,21 +48,21 @@ def _bf16_to_f32(h):
 
 
 @triton.jit
-def _load_rows(u8_ptr, f32_ptr, i16_ptr, row, valid, col, rope_col,
+def _load_rows(u8, f32, i16, valid, col, rope_col,
                B: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, TILE: tl.constexpr, LAYOUT: tl.constexpr):
-    """Decoded c [BLOCK_K, BLOCK_R] and k_rope [BLOCK_K, BLOCK_DR] of stored rows `row` (fp32, 0 where invalid)."""
+    """Decoded c [BLOCK_K, BLOCK_R] and k_rope [BLOCK_K, BLOCK_DR] of the stored rows starting at the byte, word
+    and half-word pointers u8, f32, i16 [BLOCK_K] (fp32, 0 where invalid)."""
     cm = valid[:, None] & (col[None, :] < R)
     rm = valid[:, None] & (rope_col[None, :] < DR)
     if LAYOUT == _FP8:
-        byte = tl.load(u8_ptr + row[:, None] * B + col[None, :], mask=cm, other=0).to(tl.int32)
-        sc = tl.load(f32_ptr + row[:, None] * (B // 4) + R // 4 + col[None, :] // TILE, mask=cm, other=0.0)
+        byte = tl.load(u8[:, None] + col[None, :], mask=cm, other=0).to(tl.int32)
+        sc = tl.load(f32[:, None] + R // 4 + col[None, :] // TILE, mask=cm, other=0.0)
         c = _e4m3_to_f32(byte) * sc
         rope_at = (R + 4 * (R // TILE)) // 2
-        rope = _bf16_to_f32(tl.load(i16_ptr + row[:, None] * (B // 2) + rope_at + rope_col[None, :], mask=rm,
-                                    other=0))
+        rope = _bf16_to_f32(tl.load(i16[:, None] + rope_at + rope_col[None, :], mask=rm, other=0))
     else:
-        c = _bf16_to_f32(tl.load(i16_ptr + row[:, None] * (B // 2) + col[None, :], mask=cm, other=0))
-        rope = _bf16_to_f32(tl.load(i16_ptr + row[:, None] * (B // 2) + R + rope_col[None, :], mask=rm, other=0))
+        c = _bf16_to_f32(tl.load(i16[:, None] + col[None, :], mask=cm, other=0))
+        rope = _bf16_to_f32(tl.load(i16[:, None] + R + rope_col[None, :], mask=rm, other=0))
     return tl.where(cm, c, 0.0), tl.where(rm, rope, 0.0)
 
 
@@ -99,15 +99,15 @@ def _sparse_mla_kernel(
         kk = k0 + tl.arange(0, BLOCK_K)
         row = tl.load(idx_ptr + t * idx_s0 + kk, mask=kk < k, other=-1)
         valid = row >= 0
-        in_store = valid & (row < n_store)
-        c, rope = _load_rows(u8_ptr, f32_ptr, i16_ptr, tl.where(in_store, row, 0), in_store, col, rope_col,
-                             B, R, DR, TILE, LAYOUT)
-        if HAS_EXTRA:
-            in_extra = valid & (row >= n_store)
-            xc, xrope = _load_rows(xu8_ptr, xf32_ptr, xi16_ptr, tl.where(in_extra, row - n_store, 0), in_extra,
-                                   col, rope_col, B, R, DR, TILE, LAYOUT)
-            c = tl.where(in_extra[:, None], xc, c)
-            rope = tl.where(in_extra[:, None], xrope, rope)
+        r = tl.where(valid, row, 0)
+        u8, f32, i16 = u8_ptr + r * B, f32_ptr + r * (B // 4), i16_ptr + r * (B // 2)
+        if HAS_EXTRA:      # one load of each row from wherever it is: the store or this step's extra rows
+            x = row >= n_store
+            xr = tl.maximum(row - n_store, 0)
+            u8 = tl.where(x, xu8_ptr + xr * B, u8)
+            f32 = tl.where(x, xf32_ptr + xr * (B // 4), f32)
+            i16 = tl.where(x, xi16_ptr + xr * (B // 2), i16)
+        c, rope = _load_rows(u8, f32, i16, valid, col, rope_col, B, R, DR, TILE, LAYOUT)
         s = tl.dot(q, tl.trans(c), input_precision="ieee")                                # [BH, BK]
         if HAS_ROPE:
             s += tl.dot(qr, tl.trans(rope), input_precision="ieee")
@@ -164,18 +164,3 @@ def sparse_mla_rows(q_lat: torch.Tensor, q_rope: torch.Tensor | None, store: tor
             BLOCK_DR=max(16, next_pow2(layout.rope_dim)))
     return out.to(q_lat.dtype), lse.to(q_lat.dtype)
 
-
-def aot_source(layout: str = "fp8_ds_mla", rank: int = 512, rope_dim: int = 64, block_k: int = 16
-               ) -> triton.compiler.ASTSource:
-    """The kernel as `sparse_mla_rows` launches it for fp32 queries over rows of `layout` (full size by
-    default: ML4's r = 512, dR = 64), with rope, gain and extra rows, for ahead-of-time compilation."""
-    rows = RowLayout.create(layout, rank, rope_dim)
-    sig = {"q_ptr": "*fp32", "q_s0": "i64", "q_s1": "i64", "qr_ptr": "*fp32", "qr_s0": "i64", "qr_s1": "i64",
-           "gain_ptr": "*fp32", "g_s0": "i64", "idx_ptr": "*i64", "idx_s0": "i64", "k": "i32", "H": "i32",
-           "scale": "fp32", "u8_ptr": "*u8", "f32_ptr": "*fp32", "i16_ptr": "*i16", "n_store": "i64",
-           "xu8_ptr": "*u8", "xf32_ptr": "*fp32", "xi16_ptr": "*i16", "out_ptr": "*fp32", "lse_ptr": "*fp32"}
-    const = {"B": rows.row_bytes, "R": rank, "DR": rope_dim, "TILE": rows.tile, "LAYOUT": _LAYOUTS[layout],
-             "HAS_ROPE": True, "HAS_GAIN": True, "HAS_EXTRA": True, "BLOCK_H": BLOCK_H,
-             "BLOCK_K": block_k, "BLOCK_R": max(16, next_pow2(rank)), "BLOCK_DR": max(16, next_pow2(rope_dim))}
-    return triton.compiler.ASTSource(fn=_sparse_mla_kernel, signature=sig | dict.fromkeys(const, "constexpr"),
-                                     constexprs=const)

@@ -98,11 +98,3 @@ def topk_rows(scores: torch.Tensor, k: int) -> torch.Tensor:
                            BITS=8 * scores.element_size(), BLOCK=BLOCK)
     return out
 
-
-def aot_source(bits: int = 32) -> "triton.compiler.ASTSource":
-    """The kernel for fp32 (bits 32) or fp64 (64) scores, for ahead-of-time compilation."""
-    sig = {"scores_ptr": "*fp32" if bits == 32 else "*fp64", "s_s0": "i64", "L": "i32", "k": "i32",
-           "out_ptr": "*i64", "out_s0": "i64"}
-    const = {"BITS": bits, "BLOCK": BLOCK}
-    return triton.compiler.ASTSource(fn=_topk_kernel, signature=sig | dict.fromkeys(const, "constexpr"),
-                                     constexprs=const)
