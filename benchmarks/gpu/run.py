@@ -42,10 +42,17 @@ from hisparse.model.tiny import random_model
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def throughput(device: str, quick: bool, out: Path) -> dict:
+# benchmarks/throughput/run.py's arguments at each size: the CPU smoke run, the GPU check's (benchmarks/gpu/check.py:
+# a minute or two), the full figures
+THROUGHPUT_ARGS = {
+    "quick": ["--preset", "tiny", "--prompt-len", "256", "--concurrency", "1,2,4", "--decode-steps", "2"],
+    "check": ["--preset", "small", "--prompt-len", "2048", "--concurrency", "1,4,16", "--decode-steps", "4"],
+    "full": ["--preset", "small", "--prompt-len", "4096", "--concurrency", "1,4,16,32,64", "--decode-steps", "8"]}
+
+
+def throughput(device: str, size: str, out: Path) -> dict:
     """P3 and P5 from one run of benchmarks/throughput/run.py on `device`."""
-    args = (["--preset", "tiny", "--prompt-len", "256", "--concurrency", "1,2,4", "--decode-steps", "2"] if quick
-            else ["--preset", "small", "--prompt-len", "4096", "--concurrency", "1,4,16,32,64", "--decode-steps", "8"])
+    args = THROUGHPUT_ARGS[size]
     cmd = [sys.executable, str(ROOT / "benchmarks" / "throughput" / "run.py"), *args, "--device", device,
            "--out", str(out / "throughput")]
     subprocess.run(cmd, check=True, cwd=ROOT)
@@ -162,6 +169,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true", help="small sizes (the CPU smoke run)")
+    ap.add_argument("--check", action="store_true",
+                    help="sizes that finish in about two minutes on one GPU (benchmarks/gpu/check.sh)")
     ap.add_argument("--prompt-len", type=int, default=16384, help="P2/P6: prompt tokens per request")
     ap.add_argument("--steps", type=int, default=8, help="P2/P6: profiled decode steps")
     ap.add_argument("--out", default="benchmarks/results/gpu")
@@ -172,8 +181,11 @@ def main() -> None:
     result = {"benchmark": "GPU figures P2 P3 P5 P6 P7", "device": args.device,
               "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
               "machine": platform.processor() or platform.machine(), "quick": args.quick}
-    result.update(throughput(args.device, args.quick, out))
-    result.update(graph_steps(args.device, args.quick))
+    if args.check:
+        args.prompt_len, args.steps = min(args.prompt_len, 2048), min(args.steps, 2)
+    result["size"] = "quick" if args.quick else "check" if args.check else "full"
+    result.update(throughput(args.device, result["size"], out))
+    result.update(graph_steps(args.device, args.quick or args.check))
     if args.device.startswith("cuda"):
         with tempfile.TemporaryDirectory() as tmp:
             triton_trace, torch_trace = Path(tmp) / "triton.json", Path(tmp) / "torch.json"
