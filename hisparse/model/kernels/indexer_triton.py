@@ -24,7 +24,6 @@ from .sparse_mla_triton import _e4m3_to_f32
 from .topk_triton import topk_rows
 
 _NEG_INF = tl.constexpr(float("-inf"))
-_TRITON_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 
 
 @triton.jit
@@ -103,17 +102,3 @@ def paged_topk_triton(q: torch.Tensor, wr: torch.Tensor, keys: torch.Tensor, tab
         return cols, None
     return cols, scores.gather(1, cols.clamp(min=0)).masked_fill(cols < 0, float("-inf"))
 
-
-def aot_source(heads: int = 64, head_dim: int = 128, block_s: int = 128, fp8: bool = False,
-               dtype: torch.dtype = torch.float32) -> triton.compiler.ASTSource:
-    """The scoring kernel for queries of `dtype` (fp32, bf16, fp16 or fp64) at full size (ML4's 64 indexer heads
-    of 128) over keys of that dtype or (fp8) 132-B key records, for AOT compilation; head weights and scores in
-    the score dtype."""
-    dtype, sd = _TRITON_TYPES[dtype], _TRITON_TYPES[score_dtype(dtype)]
-    sig = {"q_ptr": f"*{dtype}", "q_s0": "i64", "q_s1": "i64", "wr_ptr": f"*{sd}", "wr_s0": "i64",
-           "keys_ptr": "*u8" if fp8 else f"*{dtype}", "keys_s0": "i64", "scale_ptr": "*fp32" if fp8 else f"*{dtype}",
-           "table_ptr": "*i64", "table_s0": "i64", "page_tokens": "i32", "seg_ptr": "*i64", "n_visible_ptr": "*i64",
-           "out_ptr": f"*{sd}", "out_s0": "i64", "L": "i32"}
-    const = {"HI": heads, "DI": head_dim, "BLOCK_S": block_s, "FP8": fp8}
-    return triton.compiler.ASTSource(fn=_index_scores_kernel, signature=sig | dict.fromkeys(const, "constexpr"),
-                                     constexprs=const)
