@@ -5,6 +5,8 @@ batches from 1 token up, experts with no token."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -99,3 +101,27 @@ def test_model_with_grouped_experts_gives_the_torch_logits(seed: int) -> None:
     model.use_kernels("triton")
     got = forward()
     assert float((got - want).abs().max() / want.abs().max()) < 1e-5
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("fp8", [False, True], ids=["plain", "fp8"])
+def test_grouped_experts_in_half_precision(seed: int, dtype: torch.dtype, fp8: bool) -> None:
+    """bf16/fp16 activations (and weights, unless FP8): the kernels accumulate in fp32 and round once at the end;
+    against the same layer in fp64, their error is at most twice the per-expert torch path's in the same dtype,
+    or twice the rounding of the exact result to that dtype (which no output in it avoids)."""
+    from lockstep import no_less_exact
+    half = moe_layer(seed, fp8)
+    if fp8:      # FP8 linears keep their e4m3 weights; the rest of the layer computes in `dtype`
+        half.gate.to(dtype)
+    else:
+        half.to(dtype)
+    exact_moe = copy.deepcopy(half).to(torch.float64)     # the same weights, exactly, computed in fp64
+    y = (torch.randn(37, 64, generator=torch.Generator().manual_seed(seed)) * 3).to(DEV)
+    ids, gates = route(torch.nn.functional.linear(y, moe_layer(seed, fp8).gate.weight), half.top_k)
+    exact = exact_moe.per_expert(y.double(), ids, gates.double())
+    want = half.per_expert(y.to(dtype), ids, gates.to(dtype))
+    got = half.grouped(y.to(dtype), ids, gates.to(dtype))
+    assert got.dtype == dtype and got.shape == y.shape
+    assert no_less_exact(got, want, exact), (float((got.double() - exact).abs().max()),
+                                            float((want.double() - exact).abs().max()))
