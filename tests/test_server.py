@@ -181,6 +181,29 @@ def test_chat_streaming_equals_non_streaming(server: Server, tok, reference) -> 
     assert chunks[-1].usage.prompt_tokens == len(ids) and chunks[-1].usage.completion_tokens == 6
 
 
+@pytest.mark.parametrize("max_tokens, max_completion_tokens", [(7, 3), (3, 7), (5, None), (None, 5)])
+def test_chat_max_completion_tokens_wins_over_max_tokens(server: Server, max_tokens: int | None,
+                                                         max_completion_tokens: int | None) -> None:
+    """As in OpenAI and vLLM, a chat request's `max_completion_tokens` caps the completion when both it and the
+    deprecated `max_tokens` are given, whether it is the smaller or the larger; either alone caps it too (streamed or
+    not)."""
+    limits = {k: v for k, v in (("max_tokens", max_tokens), ("max_completion_tokens", max_completion_tokens))
+              if v is not None}
+    want = max_completion_tokens or max_tokens
+    body = {"model": server.name, "messages": [{"role": "user", "content": "Count to one hundred."}],
+            "temperature": 0, "ignore_eos": True, **limits}
+    url = f"{server.url}/v1/chat/completions"
+    with httpx.Client(timeout=60, headers=auth()) as http:
+        r = http.post(url, json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == want and r.json()["choices"][0]["finish_reason"] == "length"
+        stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        with http.stream("POST", url, json=stream) as s:
+            events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert s.status_code == 200 and events[-1]["usage"]["completion_tokens"] == want
+    assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "length"
+
+
 def test_chat_reasoning_and_tool_calls_parsed(server: Server, tok) -> None:
     """The random model never emits markers, so the first output ids are forced (debug hook); the model still
     runs every step and the parsers see exactly these ids."""
