@@ -20,11 +20,12 @@ from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
 
 from ..engine.engine import Engine
 from ..engine.request import RequestError, RequestOutput
 from .chat import ChatEncoder
-from .engine_client import AsyncEngine, merge_outputs, merged
+from .engine_client import AsyncEngine, Batch, merge_outputs
 from .errors import APIError, error_body, error_response, validation_error
 from .logprobs import CompletionLogprobs, chat_logprobs, prompt_logprobs
 from .metrics import Metrics
@@ -56,7 +57,7 @@ class ServerConfig:
         return self.max_request_bytes if self.max_request_bytes is not None else (1 << 20) + 16 * self.max_model_len
 
 
-async def collect(request: Request, outputs: AsyncIterator[tuple[int, RequestOutput]],
+async def collect(request: Request, outputs: Batch,
                   each: Callable[[int, RequestOutput], None]) -> dict[int, RequestOutput] | None:
     """Consume a non-streaming request's outputs (choice index, output), passing each to `each`; returns the last
     output of every choice, or None if the client disconnected first. Then the outputs are closed, which aborts
@@ -78,6 +79,21 @@ async def collect(request: Request, outputs: AsyncIterator[tuple[int, RequestOut
                 await task
             return None
     return task.result()
+
+
+class BatchStream(StreamingResponse):
+    """A streamed response that owns its engine requests: however the response ends (finished, the client gone,
+    an error), the batch is closed, which aborts whatever still runs."""
+
+    def __init__(self, content: AsyncIterator[str], batch: Batch):
+        super().__init__(content, media_type="text/event-stream")
+        self.batch = batch
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.batch.aclose()
 
 
 def sse(obj: dict | str) -> str:
@@ -141,15 +157,13 @@ def build_app(engine: Engine, tokenizer: MistralTokenizer, cfg: ServerConfig) ->
                            "debug_forced_token_ids")
 
     def submit(prompts: list[list[int]], req: SamplingFields, max_tokens: int, prefix: str,
-               logprobs: int | None = None, prompt_logprobs: int | None = None
-               ) -> tuple[str, AsyncIterator[tuple[int, RequestOutput]]]:
-        """One engine request per prompt and choice (choice i: vLLM's seed + i), indexed prompt x n + i; returns
-        the API request's id and the merged outputs of its choices."""
+               logprobs: int | None = None, prompt_logprobs: int | None = None) -> tuple[str, Batch]:
+        """One engine request per prompt and choice (choice i: vLLM's seed + i), indexed prompt x n + i, admitted
+        or rejected as a whole; returns the API request's id and the batch of its engine requests."""
         rid = f"{prefix}-{uuid.uuid4().hex}"
         params = [req.sampling_params(max_tokens, logprobs, prompt_logprobs, seed) for seed in req.choice_seeds()]
-        streams = [state["client"].submit(prompt, p, f"{rid}-{j * req.n + i}")
-                   for j, prompt in enumerate(prompts) for i, p in enumerate(params)]
-        return rid, merged(streams)
+        return rid, state["client"].submit([(prompt, p, f"{rid}-{j * req.n + i}")
+                                            for j, prompt in enumerate(prompts) for i, p in enumerate(params)])
 
     def failed(out: RequestOutput) -> APIError:
         return APIError(500, f"generation failed: {out.error}", code="internal_error", kind="server_error")
@@ -207,8 +221,9 @@ def build_app(engine: Engine, tokenizer: MistralTokenizer, cfg: ServerConfig) ->
         echo_logprobs = req.logprobs if req.echo and req.prompt_logprobs is None else req.prompt_logprobs
         rid, outputs = submit(prompts, req, 1 if prompt_only else req.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS,
                               "cmpl", None if prompt_only else req.logprobs, echo_logprobs)
+        async with outputs.closed_on_error():   # until the response owns the batch
+            texts = [p if isinstance(p, str) else text_tok.decode(ids) for p, ids in zip(req.prompts, prompts)]
         created = now()
-        texts = [p if isinstance(p, str) else text_tok.decode(ids) for p, ids in zip(req.prompts, prompts)]
         num = len(prompts) * req.n            # choices: prompt j's choice i has index j x n + i
         prompt_tokens = sum(map(len, prompts))
         lp_builders = [CompletionLogprobs(text_tok.decode) for _ in range(num)]
@@ -253,7 +268,7 @@ def build_app(engine: Engine, tokenizer: MistralTokenizer, cfg: ServerConfig) ->
                         if out.finished and req.include_usage and done == num:
                             yield sse({**body([]), "usage": Usage.of(prompt_tokens, tokens).model_dump()})
                 yield sse("[DONE]")
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return BatchStream(events(), outputs)
 
         outs = [RequestOutput(rid, [], "") for _ in range(num)]   # each choice's outputs merged
 
@@ -277,9 +292,9 @@ def build_app(engine: Engine, tokenizer: MistralTokenizer, cfg: ServerConfig) ->
         prompt = await asyncio.to_thread(chat_encoder.encode, req)
         max_tokens = req.max_completion_tokens or req.max_tokens or \
             max(1, min(CHAT_DEFAULT_MAX_TOKENS, cfg.max_model_len - len(prompt)))
+        parsers = [OutputParser(markers, text_tok.decode, tuple(req.stop), req.min_tokens) for _ in range(req.n)]
         rid, outputs = submit([prompt], req, max_tokens, "chatcmpl", req.top_logprobs or 0 if req.logprobs else None,
                               req.prompt_logprobs)
-        parsers = [OutputParser(markers, text_tok.decode, tuple(req.stop), req.min_tokens) for _ in range(req.n)]
         created = now()
 
         def reason_of(i: int, out: RequestOutput) -> str:
@@ -327,7 +342,7 @@ def build_app(engine: Engine, tokenizer: MistralTokenizer, cfg: ServerConfig) ->
                                 yield sse({**chunk(0, {}, None), "choices": [],
                                            "usage": Usage.of(out.prompt_tokens, tokens).model_dump()})
                 yield sse("[DONE]")
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return BatchStream(events(), outputs)
 
         outs = [RequestOutput(rid, [], "") for _ in range(req.n)]   # each choice's outputs merged
 
