@@ -4,6 +4,8 @@ requests (on the same keep-alive connection, or beside them) must keep working."
 
 from __future__ import annotations
 
+import http.client
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +22,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 @pytest.fixture
-def http(server: Server) -> Iterator[httpx.Client]:
+def keepalive(server: Server) -> Iterator[httpx.Client]:
     """One keep-alive connection to the server."""
     with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
                       limits=httpx.Limits(max_connections=1)) as c:
@@ -31,13 +33,48 @@ def running(server: Server) -> float:
     return server.metrics()["hisparse_num_requests_running"] + server.metrics()["hisparse_num_requests_waiting"]
 
 
-def test_a_rejected_batch_leaves_nothing_running(server: Server, http: httpx.Client) -> None:
+def test_a_rejected_batch_leaves_nothing_running(server: Server, keepalive: httpx.Client) -> None:
     """The second prompt is too long: the whole request is a 400 and none of the first prompt's choices run."""
     budget = MAX_MODEL_LEN - 8
-    r = http.post("/v1/completions", json={"prompt": [[1, 2, 3], [1] * (MAX_MODEL_LEN - 4)], "max_tokens": budget,
+    r = keepalive.post("/v1/completions", json={"prompt": [[1, 2, 3], [1] * (MAX_MODEL_LEN - 4)], "max_tokens": budget,
                                            "n": 4, "ignore_eos": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
     time.sleep(0.5)   # several engine steps
     m = server.metrics()
     assert m["hisparse_num_requests_running"] == 0 and m["hisparse_kv_reserved_tokens"] == 0, m
     server.wait_idle(timeout=5)
+
+
+def post_raw(conn: http.client.HTTPConnection, path: str, body: str) -> tuple[int, dict, dict[str, str]]:
+    """POST a raw JSON text on `conn`; (status, parsed body, lower-cased headers)."""
+    conn.request("POST", path, body.encode(), {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    r = conn.getresponse()
+    return r.status, json.loads(r.read()), {k.lower(): v for k, v in r.getheaders()}
+
+
+BAD_INPUTS = [   # (path, raw JSON body, the field the 4xx names)
+    ("/v1/completions", '{"prompt": "x", "max_tokens": 1, "logit_bias": {"--5": 1}}', "logit_bias"),
+    ("/v1/completions", '{"prompt": "x", "max_tokens": 1, "logit_bias": {"\u00b2": 1}}', "logit_bias"),
+    ("/v1/completions", json.dumps({"prompt": " " * 1_000_000, "max_tokens": 1}), "prompt"),
+    ("/tokenize", json.dumps({"prompt": " " * 1_000_000}), "prompt"),
+    ("/v1/completions", '{"prompt": "a\\ud800b", "max_tokens": 1, "echo": true}', "prompt"),
+    ("/v1/completions", '{"prompt": "a\\ud800b", "max_tokens": 1, "echo": true, "stream": true}', "prompt"),
+    ("/v1/completions", '{"prompt": "x", "max_tokens": 1, "model": "\\udc00"}', "model"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 1}', "messages"),
+    ("/tokenize", '{"prompt": "\\udfff", "return_token_strs": true}', "prompt"),
+]
+
+
+@pytest.mark.parametrize("path,body,field", BAD_INPUTS, ids=range(len(BAD_INPUTS)))
+def test_client_input_is_a_4xx_and_the_connection_stays_usable(server: Server, path: str, body: str,
+                                                                field: str) -> None:
+    conn = http.client.HTTPConnection("127.0.0.1", int(server.url.rsplit(":", 1)[1]), timeout=60)
+    try:
+        status, err, headers = post_raw(conn, path, body)
+        assert 400 <= status < 500 and err["error"]["param"] == field, (status, err)
+        assert headers.get("connection") != "close"
+        sock = conn.sock
+        status, ok, _ = post_raw(conn, "/v1/completions", '{"prompt": "next", "max_tokens": 2}')
+        assert status == 200 and ok["usage"]["completion_tokens"] == 2 and conn.sock is sock
+    finally:
+        conn.close()

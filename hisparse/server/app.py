@@ -150,6 +150,15 @@ def build_app(engine: Engine, tokenizer: MistralTokenizer, cfg: ServerConfig) ->
             raise APIError(404, f"The model `{model}` does not exist; this server serves `{cfg.model_name}`.",
                            "model", "model_not_found")
 
+    def encode_text(text: str, add_special_tokens: bool = True) -> list[int]:
+        """A prompt's ids; text the tokenizer cannot take (its regex gives up on some pathological inputs, such as
+        a very long run of whitespace) is the client's problem: a 400 naming the prompt."""
+        try:
+            return text_tok.encode(text, add_special_tokens, False)
+        except Exception as e:   # noqa: BLE001 - whatever the tokenizer raises is about this text
+            raise APIError(400, f"prompt: the tokenizer cannot encode this text ({type(e).__name__}: {e})",
+                           "prompt") from None
+
     def check_common(req: SamplingFields) -> None:
         check_model(req.model)
         if req.debug_forced_token_ids is not None and not cfg.debug_hooks:
@@ -198,7 +207,7 @@ def build_app(engine: Engine, tokenizer: MistralTokenizer, cfg: ServerConfig) ->
         if isinstance(req, TokenizeChatRequest):
             tokens = await asyncio.to_thread(chat_encoder.encode, req)
         else:
-            tokens = await asyncio.to_thread(text_tok.encode, req.prompt, req.add_special_tokens, False)
+            tokens = await asyncio.to_thread(encode_text, req.prompt, req.add_special_tokens)
         out = {"count": len(tokens), "max_model_len": cfg.max_model_len, "tokens": tokens, "token_strs": None}
         if req.return_token_strs:
             out["token_strs"] = [text_tok.id_to_piece(t) for t in tokens]
@@ -216,7 +225,7 @@ def build_app(engine: Engine, tokenizer: MistralTokenizer, cfg: ServerConfig) ->
     async def completions(req: CompletionRequest, request: Request):
         check_common(req)
         prompts = await asyncio.to_thread(   # tokenising long prompts must not block the event loop
-            lambda: [text_tok.encode(p, True, False) if isinstance(p, str) else p for p in req.prompts])
+            lambda: [encode_text(p) if isinstance(p, str) else p for p in req.prompts])
         prompt_only = req.max_tokens == 0     # echo without generation: the prompt and its logprobs alone
         echo_logprobs = req.logprobs if req.echo and req.prompt_logprobs is None else req.prompt_logprobs
         rid, outputs = submit(prompts, req, 1 if prompt_only else req.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS,

@@ -9,6 +9,7 @@ semantics than it asked for.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from typing import Any, Literal
 
@@ -22,6 +23,43 @@ log = logging.getLogger("hisparse.server")
 class Strict(BaseModel):
     """No unknown fields and no type coercion ("16" is not an integer, "yes" not a boolean), as OpenAI answers."""
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+SURROGATE = re.compile("[\ud800-\udfff]")
+TOKEN_ID = re.compile(r"-?[0-9]+")
+
+
+def surrogate_at(value: Any, path: str) -> str | None:
+    """The path of the first string in `value` holding a lone surrogate (JSON's \\ud800 escapes decode to one;
+    it is not Unicode and can be neither tokenized faithfully nor sent back), or None."""
+    if isinstance(value, str):
+        return path if SURROGATE.search(value) else None
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list) and value and isinstance(value[0], (str, list, dict)):
+        items = enumerate(value)
+    else:     # numbers, and lists of them (token ids): nothing to check
+        return None
+    for k, v in items:
+        if isinstance(k, str) and SURROGATE.search(k):
+            return f"{path}.{ascii(k)}" if path else ascii(k)
+        found = surrogate_at(v, f"{path}.{k}" if path else str(k))
+        if found:
+            return found
+    return None
+
+
+class TextChecked(Strict):
+    """A request body whose strings must be valid Unicode: a lone surrogate anywhere is a 400 naming the
+    top-level field it is in."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_surrogates(cls, data: Any) -> Any:
+        where = surrogate_at(data, "") if isinstance(data, dict) else None
+        if where:
+            raise ValueError(f"{where.split('.')[0]}: a lone UTF-16 surrogate (at {where}) is not valid Unicode")
+        return data
 
 
 class ResponseFormat(Strict):
@@ -78,7 +116,7 @@ IGNORED_FIELDS = frozenset({
     "media_io_kwargs", "mm_processor_kwargs", "return_prompt_text"})
 
 
-class SamplingFields(VLLMFields):
+class SamplingFields(VLLMFields, TextChecked):
     """Fields shared by /v1/completions and /v1/chat/completions. Optional vLLM sampling fields left out or null
     take vLLM's defaults."""
     model: str | None = None     # missing, null or "": the served model (as vLLM)
@@ -116,7 +154,7 @@ class SamplingFields(VLLMFields):
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        bad = [k for k in v or () if not k.strip().lstrip("-").isdigit()]
+        bad = [k for k in v or () if not TOKEN_ID.fullmatch(k.strip())]
         if bad:
             raise ValueError(f"keys must be token ids, got {bad[:4]}")
         return v
@@ -290,14 +328,14 @@ class ChatRequest(SamplingFields):
 
 # ---- tokenizer routes (vLLM's shapes) ----
 
-class TokenizeCompletionRequest(Strict):
+class TokenizeCompletionRequest(TextChecked):
     model: str | None = None
     prompt: str
     add_special_tokens: bool = True
     return_token_strs: bool | None = False
 
 
-class TokenizeChatRequest(Strict):
+class TokenizeChatRequest(TextChecked):
     """The chat form of /tokenize: the prompt ids a chat request with these messages and tools would run."""
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
@@ -311,7 +349,7 @@ class TokenizeChatRequest(Strict):
     return_token_strs: bool | None = False
 
 
-class DetokenizeRequest(Strict):
+class DetokenizeRequest(TextChecked):
     model: str | None = None
     tokens: list[int]
 
