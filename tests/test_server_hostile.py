@@ -78,3 +78,30 @@ def test_client_input_is_a_4xx_and_the_connection_stays_usable(server: Server, p
         assert status == 200 and ok["usage"]["completion_tokens"] == 2 and conn.sock is sock
     finally:
         conn.close()
+
+
+LIMITED = [   # (body, status, the field the error names, text in its message)
+    ({"prompt": [[1, 2]] * 128, "n": 128, "max_tokens": 1}, 400, "n", "--max-batch-fanout"),
+    ({"prompt": [[1, 2]] * 3, "n": 100, "max_tokens": 1}, 400, "n", "at most 256"),
+    ({"prompt": "x", "max_tokens": 1, "logit_bias": {str(i): 1.0 for i in range(2000)}}, 400, "logit_bias",
+     "--max-logit-bias"),
+    ({"prompt": "x", "max_tokens": 1, "logprobs": 21}, 400, "logprobs", "--max-logprobs"),
+    ({"prompt": "x", "max_tokens": 1, "prompt_logprobs": 1000}, 400, "prompt_logprobs", "--max-logprobs"),
+]
+
+
+def test_limits_are_400s_naming_the_limit(server: Server, keepalive: httpx.Client) -> None:
+    for body, status, field, text in LIMITED:
+        r = keepalive.post("/v1/completions", json=body)
+        err = r.json()["error"]
+        assert r.status_code == status and err["param"] == field and text in err["message"], (field, r.text)
+    r = keepalive.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                     "logprobs": True, "top_logprobs": 50})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs", r.text
+    for bias in ("NaN", "Infinity", "-Infinity"):
+        r = keepalive.post("/v1/completions", content=f'{{"prompt": "x", "logit_bias": {{"5": {bias}}}}}',
+                           headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith("logit_bias"), r.text
+    r = keepalive.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers={"X-Big": "a" * 100_000})
+    assert r.status_code == 431 and "--max-header-bytes" in r.json()["error"]["message"], r.text
+    server.wait_idle(timeout=10)

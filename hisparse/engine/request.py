@@ -89,8 +89,8 @@ class SamplingParams:
                                "logit_bias")
         for name in ("logprobs", "prompt_logprobs"):
             n = getattr(self, name)
-            if n is not None and not 0 <= n <= MAX_LOGPROBS:
-                raise RequestError(f"{name} must be in [0, {MAX_LOGPROBS}], got {n}", name)
+            if n is not None and not 0 <= n <= vocab_size:
+                raise RequestError(f"{name} must be in [0, {vocab_size}] (the vocabulary), got {n}", name)
 
 
 class Status(enum.Enum):

@@ -23,13 +23,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from ..engine.engine import Engine
-from ..engine.request import RequestError, RequestOutput
+from ..engine.request import MAX_LOGPROBS, RequestError, RequestOutput
 from .chat import ChatEncoder
 from .engine_client import AsyncEngine, Batch, merge_outputs
 from .errors import APIError, error_body, error_response, validation_error
 from .logprobs import CompletionLogprobs, chat_logprobs, prompt_logprobs
 from .metrics import Metrics
-from .middleware import ApiKeyAuth, BodyGuard
+from .middleware import ApiKeyAuth, BodyGuard, HeaderGuard
 from .output_parser import MarkerIds, OutputParser, ParsedDelta
 from .protocol import (ChatRequest, CompletionRequest, DetokenizeRequest, SamplingFields, TokenizeChatRequest,
                        TokenizeCompletionRequest, Usage, now)
@@ -49,6 +49,10 @@ class ServerConfig:
     debug_hooks: bool = False   # accept `debug_forced_token_ids` (tests of the output parsers)
     max_request_bytes: int | None = None   # request body limit; None: sized from max_model_len
     read_timeout_s: float = 30.0           # a request body must arrive within this (headers: connection.py)
+    max_batch_fanout: int = 256            # engine requests per API request (prompts x n)
+    max_logit_bias: int = 1024             # logit_bias entries per request
+    max_logprobs: int = MAX_LOGPROBS       # alternatives per token (logprobs, top_logprobs, prompt_logprobs)
+    max_header_bytes: int = 16384          # request line and headers
 
     @property
     def body_limit(self) -> int:
@@ -141,6 +145,7 @@ def build_app(engine: Engine, tokenizer: MistralTokenizer, cfg: ServerConfig) ->
                                        kind="server_error"))
 
     app.add_middleware(BodyGuard, max_bytes=cfg.body_limit, timeout_s=cfg.read_timeout_s)
+    app.add_middleware(HeaderGuard, max_bytes=cfg.max_header_bytes)
     if cfg.api_key:    # added last: the outer layer, so an unauthenticated body is never read
         app.add_middleware(ApiKeyAuth, api_key=cfg.api_key)
 
@@ -159,8 +164,23 @@ def build_app(engine: Engine, tokenizer: MistralTokenizer, cfg: ServerConfig) ->
             raise APIError(400, f"prompt: the tokenizer cannot encode this text ({type(e).__name__}: {e})",
                            "prompt") from None
 
-    def check_common(req: SamplingFields) -> None:
+    def check_common(req: SamplingFields, prompts: int, logprobs: dict[str, int | None]) -> None:
+        """The checks every generation request passes before anything is tokenized or queued: the model, the
+        fan-out (`prompts` x n engine requests), logit_bias entries and logprobs counts (`logprobs`: field ->
+        value) within the server's limits."""
         check_model(req.model)
+        if prompts * req.n > cfg.max_batch_fanout:
+            raise APIError(400, f"n: {prompts} prompt(s) x n={req.n} is {prompts * req.n} engine requests; this "
+                                f"server accepts at most {cfg.max_batch_fanout} per request (--max-batch-fanout)",
+                           "n", "fanout_too_large")
+        if req.logit_bias and len(req.logit_bias) > cfg.max_logit_bias:
+            raise APIError(400, f"logit_bias: {len(req.logit_bias)} entries; this server accepts at most "
+                                f"{cfg.max_logit_bias} (--max-logit-bias)", "logit_bias")
+        limit = min(cfg.max_logprobs, engine.vocab)
+        for name, n in logprobs.items():
+            if n is not None and n > limit:
+                raise APIError(400, f"{name}: {n} alternatives per token; this server returns at most {limit} "
+                                    "(--max-logprobs)", name)
         if req.debug_forced_token_ids is not None and not cfg.debug_hooks:
             raise APIError(400, "debug_forced_token_ids: only accepted by a server started with --debug-hooks",
                            "debug_forced_token_ids")
@@ -223,7 +243,7 @@ def build_app(engine: Engine, tokenizer: MistralTokenizer, cfg: ServerConfig) ->
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
-        check_common(req)
+        check_common(req, len(req.prompts), {"logprobs": req.logprobs, "prompt_logprobs": req.prompt_logprobs})
         prompts = await asyncio.to_thread(   # tokenising long prompts must not block the event loop
             lambda: [encode_text(p) if isinstance(p, str) else p for p in req.prompts])
         prompt_only = req.max_tokens == 0     # echo without generation: the prompt and its logprobs alone
@@ -297,7 +317,7 @@ def build_app(engine: Engine, tokenizer: MistralTokenizer, cfg: ServerConfig) ->
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
-        check_common(req)
+        check_common(req, 1, {"top_logprobs": req.top_logprobs, "prompt_logprobs": req.prompt_logprobs})
         prompt = await asyncio.to_thread(chat_encoder.encode, req)
         max_tokens = req.max_completion_tokens or req.max_tokens or \
             max(1, min(CHAT_DEFAULT_MAX_TOKENS, cfg.max_model_len - len(prompt)))

@@ -11,11 +11,11 @@ from __future__ import annotations
 import logging
 import re
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ..engine.request import MAX_LOGPROBS, SamplingParams
+from ..engine.request import SamplingParams
 
 log = logging.getLogger("hisparse.server")
 
@@ -136,8 +136,8 @@ class SamplingFields(VLLMFields, TextChecked):
     repetition_penalty: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     min_tokens: int = Field(default=0, ge=0)
-    logit_bias: dict[str, float] | None = None
-    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    logit_bias: dict[str, Annotated[float, Field(allow_inf_nan=False)]] | None = None   # finite biases
+    prompt_logprobs: int | None = Field(default=None, ge=0)
     user: str | None = None
     debug_forced_token_ids: list[int] | None = None   # only with `serve --debug-hooks`: forces the first outputs
 
@@ -195,7 +195,7 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]    # one prompt, or a batch (each gets n choices)
     max_tokens: int | None = Field(default=None, ge=0)   # 0 only with echo: the prompt's logprobs alone
     echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(default=None, ge=0)
     suffix: None = None
     best_of: int | None = None
     add_special_tokens: Literal[True] = True
@@ -292,7 +292,7 @@ class ChatRequest(SamplingFields):
     reasoning_effort: str | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(default=0, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(default=0, ge=0)
     response_format: ResponseFormat | None = None
     # vLLM's chat extras: neutral values only, or ignored (IGNORED_FIELDS)
     echo: Literal[False] = False

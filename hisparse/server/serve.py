@@ -207,8 +207,9 @@ def _serve(args: argparse.Namespace, model_dir: Path, dtype: torch.dtype, kv_set
     engine = build_engine(model, kv, tokenizer, max_model_len, args.max_num_seqs, args.max_num_batched_tokens,
                           speculative, group, par.tp_size if par is not None else 1, graphs)
     name = args.served_model_name or model_dir.name
-    app = build_app(engine, tokenizer, ServerConfig(name, max_model_len, args.api_key, args.debug_hooks,
-                                                    args.max_request_bytes, args.read_timeout))
+    app = build_app(engine, tokenizer, ServerConfig(
+        name, max_model_len, args.api_key, args.debug_hooks, args.max_request_bytes, args.read_timeout,
+        args.max_batch_fanout, args.max_logit_bias, args.max_logprobs, args.max_header_bytes))
     lines = capacity_lines(kv, kv_settings.offload, max_model_len)
     if par is not None:
         ranks = engine.start_up(model)
@@ -223,6 +224,7 @@ def _serve(args: argparse.Namespace, model_dir: Path, dtype: torch.dtype, kv_set
           f"at http://{args.host}:{args.port}/v1 (Ctrl-C to stop)", flush=True)
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            access_log=False, http=HeaderTimeoutH11.with_timeout(args.read_timeout),
+                                           h11_max_incomplete_event_size=args.max_header_bytes,
                                            timeout_graceful_shutdown=args.shutdown_timeout + FINAL_EVENTS_S),
                             engine, args.shutdown_timeout)
     engine.on_fatal = lambda err: setattr(server, "should_exit", True)
