@@ -222,6 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "vocabulary), else 400 (default: %(default)s)")
     p.add_argument("--max-header-bytes", type=int, default=16384,
                    help="largest request head (request line and headers), else 431 (default: %(default)s)")
+    p.add_argument("--enable-docs", action="store_true",
+                   help="serve the API's /docs, /redoc and /openapi.json (default: off)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, the JSON vllm serve takes: {"method": "dspark", '
                         '"num_speculative_tokens": 3, "draft_sample_method": "greedy"|"probabilistic"} '

@@ -105,3 +105,8 @@ def test_limits_are_400s_naming_the_limit(server: Server, keepalive: httpx.Clien
     r = keepalive.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers={"X-Big": "a" * 100_000})
     assert r.status_code == 431 and "--max-header-bytes" in r.json()["error"]["message"], r.text
     server.wait_idle(timeout=10)
+
+
+def test_api_docs_are_off_by_default(server: Server, keepalive: httpx.Client) -> None:
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert keepalive.get(path).status_code == 404, path

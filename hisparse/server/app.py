@@ -53,6 +53,7 @@ class ServerConfig:
     max_logit_bias: int = 1024             # logit_bias entries per request
     max_logprobs: int = MAX_LOGPROBS       # alternatives per token (logprobs, top_logprobs, prompt_logprobs)
     max_header_bytes: int = 16384          # request line and headers
+    enable_docs: bool = False              # /docs, /redoc, /openapi.json
 
     @property
     def body_limit(self) -> int:
@@ -118,7 +119,8 @@ def build_app(engine: Engine, tokenizer: MistralTokenizer, cfg: ServerConfig) ->
         yield
         state["client"].shutdown()
 
-    app = FastAPI(title="hisparse", lifespan=lifespan)
+    docs = {} if cfg.enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="hisparse", lifespan=lifespan, **docs)
 
     # ---- errors ----
     @app.exception_handler(APIError)

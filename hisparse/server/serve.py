@@ -209,7 +209,7 @@ def _serve(args: argparse.Namespace, model_dir: Path, dtype: torch.dtype, kv_set
     name = args.served_model_name or model_dir.name
     app = build_app(engine, tokenizer, ServerConfig(
         name, max_model_len, args.api_key, args.debug_hooks, args.max_request_bytes, args.read_timeout,
-        args.max_batch_fanout, args.max_logit_bias, args.max_logprobs, args.max_header_bytes))
+        args.max_batch_fanout, args.max_logit_bias, args.max_logprobs, args.max_header_bytes, args.enable_docs))
     lines = capacity_lines(kv, kv_settings.offload, max_model_len)
     if par is not None:
         ranks = engine.start_up(model)
