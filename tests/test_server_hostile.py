@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import http.client
 import json
+import subprocess
+import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,9 +18,32 @@ import pytest
 from test_server import KEY, MAX_MODEL_LEN, Server, launch
 
 
+BODY_LIMIT = 16 << 20   # room for a million-token /tokenize body
+POLL = """
+import asyncio, json, os, sys, time, httpx
+url, stop = sys.argv[1], sys.argv[2]
+
+
+async def main():
+    lat = []
+    async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=500)) as c:
+        async def probe(t0):
+            assert (await c.get(url + "/health")).status_code == 200
+            lat.append(time.perf_counter() - t0)
+        tasks, t = [], time.perf_counter()
+        while not os.path.exists(stop):   # open loop: one probe every 20 ms, whether or not the last returned
+            tasks.append(asyncio.ensure_future(probe(t)))
+            t += 0.02
+            await asyncio.sleep(max(0.0, t - time.perf_counter()))
+        await asyncio.gather(*tasks)
+    print(json.dumps(lat))
+asyncio.run(main())
+"""
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with launch(tmp_path_factory.mktemp("logs") / "serve.log") as s:
+    with launch(tmp_path_factory.mktemp("logs") / "serve.log", "--max-request-bytes", str(BODY_LIMIT)) as s:
         yield s
 
 
@@ -110,3 +136,41 @@ def test_limits_are_400s_naming_the_limit(server: Server, keepalive: httpx.Clien
 def test_api_docs_are_off_by_default(server: Server, keepalive: httpx.Client) -> None:
     for path in ("/docs", "/redoc", "/openapi.json"):
         assert keepalive.get(path).status_code == 404, path
+
+
+def test_health_answers_within_100ms_while_heavy_requests_run(server: Server, tmp_path: Path) -> None:
+    """/tokenize of a million tokens with their strings, and prompt_logprobs + echo over a long prompt, run while
+    another process probes /health every 20 ms (its own process: the test's JSON parsing must not stall it; open
+    loop, so a stall of the server's event loop delays every probe sent meanwhile)."""
+    stop = tmp_path / "stop"
+    poller = subprocess.Popen([sys.executable, "-c", POLL, server.url, str(stop)], stdout=subprocess.PIPE, text=True)
+    time.sleep(1.0)
+    headers = {"Authorization": f"Bearer {KEY}"}
+    text = "hello world " * 500_000
+
+    def tokenize() -> int:
+        t = time.monotonic()
+        r = httpx.post(f"{server.url}/tokenize", json={"prompt": text, "return_token_strs": True}, timeout=120)
+        print(f"tokenize {time.monotonic() - t:.1f} s")
+        return r.status_code if r.status_code != 200 else len(r.content)
+
+    def scored() -> int:
+        t = time.monotonic()
+        body = {"prompt": list(range(1000, 2000)), "max_tokens": 1, "echo": True, "logprobs": 20,
+                "prompt_logprobs": 20}
+        r = httpx.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=120)
+        print(f"scored {time.monotonic() - t:.1f} s")
+        return r.status_code if r.status_code != 200 else len(r.content)
+
+    start = time.monotonic()
+    with ThreadPoolExecutor(2) as ex:
+        sizes = [f.result() for f in [ex.submit(tokenize), ex.submit(scored)]]
+    took = time.monotonic() - start
+    stop.touch()
+    out, _ = poller.communicate(timeout=60)
+    assert all(s > 1000 for s in sizes), sizes
+    lat = sorted(json.loads(out))
+    p99 = lat[int(0.99 * (len(lat) - 1))]
+    print(f"heavy requests {took:.1f} s; /health: {len(lat)} polls, median {lat[len(lat) // 2] * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms, "
+          f"max {lat[-1] * 1e3:.1f} ms")
+    assert p99 < 0.1, lat[-10:]

@@ -40,6 +40,7 @@ from .app import ServerConfig, build_app
 from .connection import HeaderTimeoutH11
 
 
+SWITCH_INTERVAL_S = 0.001   # GIL hand-over: the event loop waits at most this for the engine and worker threads
 FINAL_EVENTS_S = 5.0   # after the drain: time for the failed requests' last events to reach their clients
 
 
@@ -228,5 +229,6 @@ def _serve(args: argparse.Namespace, model_dir: Path, dtype: torch.dtype, kv_set
                                            timeout_graceful_shutdown=args.shutdown_timeout + FINAL_EVENTS_S),
                             engine, args.shutdown_timeout)
     engine.on_fatal = lambda err: setattr(server, "should_exit", True)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     server.run()
     return engine
