@@ -212,6 +212,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM/SIGINT: seconds in-flight requests get to finish before they end with an "
                         "error and the server exits (default: %(default)s)")
+    p.add_argument("--fair-prefill-tokens", type=int, default=128,
+                   help="while requests of several API requests run, prefill tokens per step, shared round-robin "
+                        "between them (a prompt-logprob token counts 33); 0: the whole step budget, oldest "
+                        "request first (default: %(default)s)")
     p.add_argument("--max-batch-fanout", type=int, default=256,
                    help="most engine requests one API request may create (prompts x n), else 400 "
                         "(default: %(default)s)")

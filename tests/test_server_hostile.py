@@ -15,7 +15,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from serving import free_port
 from test_server import KEY, MAX_MODEL_LEN, Server, launch
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 BODY_LIMIT = 16 << 20   # room for a million-token /tokenize body
@@ -171,6 +174,19 @@ def test_health_answers_within_100ms_while_heavy_requests_run(server: Server, tm
     assert all(s > 1000 for s in sizes), sizes
     lat = sorted(json.loads(out))
     p99 = lat[int(0.99 * (len(lat) - 1))]
-    print(f"heavy requests {took:.1f} s; /health: {len(lat)} polls, median {lat[len(lat) // 2] * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms, "
-          f"max {lat[-1] * 1e3:.1f} ms")
+    print(f"heavy requests {took:.1f} s; /health: {len(lat)} polls, median {lat[len(lat) // 2] * 1e3:.1f} ms, "
+          f"p99 {p99 * 1e3:.1f} ms, max {lat[-1] * 1e3:.1f} ms")
     assert p99 < 0.1, lat[-10:]
+
+
+def test_a_light_client_keeps_its_pace_beside_a_heavy_one(tmp_path: Path) -> None:
+    """benchmarks/serve/fairness.py, small: a greedy victim's median time per request beside an echo +
+    prompt_logprobs neighbour with n = 4 stays within 3x of its time alone."""
+    out = tmp_path / "fairness.json"
+    cmd = [sys.executable, "-m", "benchmarks.serve.fairness", "--heavy-prompt-len", "1024", "--heavy-n", "4",
+           "--victim-requests", "3", "--victim-max-tokens", "8", "--port", str(free_port()), "--out", str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    print(run.stdout.strip())
+    assert result["heavy_requests_running"] >= 4 and result["ratio"] <= 3.0, result

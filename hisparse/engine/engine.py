@@ -109,10 +109,14 @@ class Engine:
         return self.add_requests([(prompt, params, request_id, sink)])[0]
 
     def add_requests(self, items: list[tuple[list[int], SamplingParams, str | None,
-                                             Callable[[RequestOutput], None] | None]]) -> list[Request]:
+                                             Callable[[RequestOutput], None] | None]],
+                     group: str | None = None) -> list[Request]:
         """Validate every (prompt, params, request id, sink) first, then queue them all at once: a RequestError
-        (naming the field) for any of them queues none, so a rejected batch leaves no request behind."""
+        (naming the field) for any of them queues none, so a rejected batch leaves no request behind. `group`
+        (one API request's requests) shares one fair share of each step; None: each request is its own."""
         reqs = [self._checked(*item) for item in items]
+        for req in reqs:
+            req.group = group or req.id
         with self._fatal_lock:
             if self.fatal is not None:
                 raise RequestError(f"the engine has stopped: {self.fatal}", status=503)

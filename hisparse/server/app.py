@@ -254,7 +254,7 @@ def build_app(engine: Engine, tokenizer: MistralTokenizer, cfg: ServerConfig) ->
         rid = f"{prefix}-{uuid.uuid4().hex}"
         params = [req.sampling_params(max_tokens, logprobs, prompt_logprobs, seed) for seed in req.choice_seeds()]
         return rid, state["client"].submit([(prompt, p, f"{rid}-{j * req.n + i}")
-                                            for j, prompt in enumerate(prompts) for i, p in enumerate(params)])
+                                            for j, prompt in enumerate(prompts) for i, p in enumerate(params)], rid)
 
     def failed(out: RequestOutput) -> APIError:
         return APIError(500, f"generation failed: {out.error}", code="internal_error", kind="server_error")

@@ -76,8 +76,9 @@ class AsyncEngine:
         self.engine = engine
         engine.start()
 
-    def submit(self, requests: list[tuple[list[int], SamplingParams, str]]) -> Batch:
-        """Queue (prompt, params, request id) x k atomically; their outputs come through the returned Batch."""
+    def submit(self, requests: list[tuple[list[int], SamplingParams, str]], group: str) -> Batch:
+        """Queue (prompt, params, request id) x k atomically, as one scheduling `group`; their outputs come
+        through the returned Batch."""
         loop = asyncio.get_running_loop()
         batch = Batch(self.engine, [rid for _, _, rid in requests])
 
@@ -87,7 +88,8 @@ class AsyncEngine:
                     loop.call_soon_threadsafe(batch.put, i, out)
             return put
 
-        self.engine.add_requests([(prompt, params, rid, sink(i)) for i, (prompt, params, rid) in enumerate(requests)])
+        self.engine.add_requests([(prompt, params, rid, sink(i)) for i, (prompt, params, rid) in enumerate(requests)],
+                                 group)
         return batch
 
     def shutdown(self) -> None:

@@ -111,11 +111,13 @@ def speculative_lines(spec: SpeculativeConfig, model: ML4) -> list[str]:
 
 def build_engine(model: ML4, kv: LatentKV, tokenizer, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int, speculative: SpeculativeConfig | None = None,
-                 group: DCPGroup | None = None, tp_size: int = 1, graphs: DecodeGraphs | None = None) -> Engine:
+                 group: DCPGroup | None = None, tp_size: int = 1, graphs: DecodeGraphs | None = None,
+                 fair_prefill_tokens: int = 0) -> Engine:
     """The engine (rank 0's DCPEngine when `group`, the parallel group, is given)."""
     inner = tokenizer.instruct_tokenizer.tokenizer
     per_seq = SpeculativeConfig.rows_per_request(speculative)   # every decode step fits, drafts included
-    cfg = SchedulerConfig(max_model_len, max_num_seqs, max(max_num_batched_tokens, max_num_seqs * per_seq))
+    cfg = SchedulerConfig(max_model_len, max_num_seqs, max(max_num_batched_tokens, max_num_seqs * per_seq),
+                          fair_prefill_tokens)
     kwargs = dict(eos_id=inner.eos_id, decode=inner.decode, speculative=speculative, graphs=graphs)
     if group is None:
         return Engine(model, kv, cfg, **kwargs)
@@ -206,7 +208,7 @@ def _serve(args: argparse.Namespace, model_dir: Path, dtype: torch.dtype, kv_set
     if graph_rows:
         graphs = capture_graphs(model, graph_rows, fallback=args.cuda_graph == "auto" and par is None)
     engine = build_engine(model, kv, tokenizer, max_model_len, args.max_num_seqs, args.max_num_batched_tokens,
-                          speculative, group, par.tp_size if par is not None else 1, graphs)
+                          speculative, group, par.tp_size if par is not None else 1, graphs, args.fair_prefill_tokens)
     name = args.served_model_name or model_dir.name
     app = build_app(engine, tokenizer, ServerConfig(
         name, max_model_len, args.api_key, args.debug_hooks, args.max_request_bytes, args.read_timeout,
