@@ -58,10 +58,6 @@ def keepalive(server: Server) -> Iterator[httpx.Client]:
         yield c
 
 
-def running(server: Server) -> float:
-    return server.metrics()["hisparse_num_requests_running"] + server.metrics()["hisparse_num_requests_waiting"]
-
-
 def test_a_rejected_batch_leaves_nothing_running(server: Server, keepalive: httpx.Client) -> None:
     """The second prompt is too long: the whole request is a 400 and none of the first prompt's choices run."""
     budget = MAX_MODEL_LEN - 8
