@@ -12,6 +12,7 @@ import torch
 
 from .engine.cuda_graphs import GRAPH_MODES
 from .engine.kv_settings import KVSettings, KVSettingsError
+from .engine.request import MAX_LOGPROBS
 from .host_pool.layout import LAYOUTS
 
 API_KEY_ENV = "HISPARSE_API_KEY"   # `hisparse serve`'s API key when --api-key is not given (as vLLM's VLLM_API_KEY)
@@ -211,6 +212,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM/SIGINT: seconds in-flight requests get to finish before they end with an "
                         "error and the server exits (default: %(default)s)")
+    p.add_argument("--fair-prefill-tokens", type=int, default=128,
+                   help="while requests of several API requests run, prefill tokens per step, shared round-robin "
+                        "between them (a prompt-logprob token counts 33); 0: the whole step budget, oldest "
+                        "request first (default: %(default)s)")
+    p.add_argument("--max-batch-fanout", type=int, default=256,
+                   help="most engine requests one API request may create (prompts x n), else 400 "
+                        "(default: %(default)s)")
+    p.add_argument("--max-logit-bias", type=int, default=1024,
+                   help="most logit_bias entries per request, else 400 (default: %(default)s)")
+    p.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS,
+                   help="most alternatives per token for logprobs, top_logprobs and prompt_logprobs (at most the "
+                        "vocabulary), else 400 (default: %(default)s)")
+    p.add_argument("--max-header-bytes", type=int, default=16384,
+                   help="largest request head (request line and headers), else 431 (default: %(default)s)")
+    p.add_argument("--enable-docs", action="store_true",
+                   help="serve the API's /docs, /redoc and /openapi.json (default: off)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, the JSON vllm serve takes: {"method": "dspark", '
                         '"num_speculative_tokens": 3, "draft_sample_method": "greedy"|"probabilistic"} '

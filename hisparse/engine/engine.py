@@ -106,6 +106,26 @@ class Engine:
     def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
                     sink: Callable[[RequestOutput], None] | None = None) -> Request:
         """Validate and queue a request; raises RequestError (naming the field) if it can never run."""
+        return self.add_requests([(prompt, params, request_id, sink)])[0]
+
+    def add_requests(self, items: list[tuple[list[int], SamplingParams, str | None,
+                                             Callable[[RequestOutput], None] | None]],
+                     group: str | None = None) -> list[Request]:
+        """Validate every (prompt, params, request id, sink) first, then queue them all at once: a RequestError
+        (naming the field) for any of them queues none, so a rejected batch leaves no request behind. `group`
+        (one API request's requests) shares one fair share of each step; None: each request is its own."""
+        reqs = [self._checked(*item) for item in items]
+        for req in reqs:
+            req.group = group or req.id
+        with self._fatal_lock:
+            if self.fatal is not None:
+                raise RequestError(f"the engine has stopped: {self.fatal}", status=503)
+            self.inbox.put(("add", reqs))
+        return reqs
+
+    def _checked(self, prompt: list[int], params: SamplingParams, request_id: str | None,
+                 sink: Callable[[RequestOutput], None] | None) -> Request:
+        """A Request for these settings; RequestError if it can never run."""
         if not prompt:
             raise RequestError("prompt: must contain at least one token", "prompt")
         bad = [t for t in prompt if not 0 <= t < self.vocab]
@@ -118,10 +138,6 @@ class Engine:
         if params.seed is not None:
             req.generator = torch.Generator(device=self.model.device).manual_seed(params.seed)
         self.scheduler.check(req)
-        with self._fatal_lock:
-            if self.fatal is not None:
-                raise RequestError(f"the engine has stopped: {self.fatal}", status=503)
-            self.inbox.put(("add", req))
         return req
 
     def abort(self, request_id: str) -> None:
@@ -145,10 +161,11 @@ class Engine:
                 return not block
             block = False
             if kind == "add":
-                self.requests[arg.id] = arg
-                if self.decode is not None:
-                    self.streams[arg.id] = TextStream(self.decode, arg.params.stop, arg.params.min_tokens)
-                self.scheduler.add(arg)
+                for req in arg:
+                    self.requests[req.id] = req
+                    if self.decode is not None:
+                        self.streams[req.id] = TextStream(self.decode, req.params.stop, req.params.min_tokens)
+                    self.scheduler.add(req)
             elif kind == "abort" and arg in self.requests:
                 self._finish(self.requests[arg], "abort")
             elif kind == "fail_all":

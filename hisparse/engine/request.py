@@ -89,8 +89,8 @@ class SamplingParams:
                                "logit_bias")
         for name in ("logprobs", "prompt_logprobs"):
             n = getattr(self, name)
-            if n is not None and not 0 <= n <= MAX_LOGPROBS:
-                raise RequestError(f"{name} must be in [0, {MAX_LOGPROBS}], got {n}", name)
+            if n is not None and not 0 <= n <= vocab_size:
+                raise RequestError(f"{name} must be in [0, {vocab_size}] (the vocabulary), got {n}", name)
 
 
 class Status(enum.Enum):
@@ -138,6 +138,7 @@ class Request:
     generator: torch.Generator | None = None
     arrival: float = field(default_factory=time.monotonic)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)   # prompt tokens 1.. computed so far
+    group: str = ""     # the API request this one belongs to (its prompts x n share one), for fair scheduling
     _prompt_mask: torch.Tensor | None = None
 
     def prompt_mask(self, vocab: int) -> torch.Tensor:
@@ -166,6 +167,11 @@ class Request:
         if len(self.output) < len(self.params.forced_token_ids) or not self.params.plain:
             return 0
         return max(0, min(limit, self.params.max_tokens - len(self.output) - 1))
+
+    @property
+    def wants_prompt_logits(self) -> bool:
+        """Whether its prefill still returns every row's logits (prompt logprobs asked and not all computed)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt) - 1
 
     def token_slice(self, start: int, n: int) -> list[int]:
         """Token ids at positions [start, start + n) of prompt + output (no copy of the whole sequence)."""

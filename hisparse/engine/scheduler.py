@@ -9,6 +9,13 @@ always make progress. The head of the queue is admitted once its tokens fit (FIF
 starved by short ones); a request that could never fit is rejected at submission. Each step takes one token for
 every decoding request and spends the rest of the token budget on draft tokens (with speculative decoding: a
 decoding request's segment becomes [anchor, d_1..d_n]) and then on prefill chunks, oldest request first.
+
+With `fair_prefill_tokens` (hisparse serve's default) the prefill part is shared between groups (the requests of
+one API request: its prompts x n) instead: while more than one group runs, a step spends at most that many budget
+tokens on prefill, so every decoding request's time per token stays near a light step's; each group in turn,
+starting one group later every step, gets an equal part of what is left, and a prompt token whose logprobs are
+asked counts as 1 + PROMPT_LOGPROB_ROW_COST tokens. A request with a long prompt, prompt logprobs or a large fan-out
+thus pays for them with its own share, never with its neighbours' time.
 """
 
 from __future__ import annotations
@@ -22,12 +29,16 @@ from ..model.kv import LatentKV
 from .request import Request, RequestError, Status
 from .runner import ScheduledStep
 
+PROMPT_LOGPROB_ROW_COST = 32   # budget tokens a prompt-logprob row adds: the vocabulary's LM head, log-softmax and
+                               # top-k for one row (on the CPU tiny model about 65 prefill tokens' time)
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_model_len: int
     max_num_seqs: int = 64              # requests running at once
     max_num_batched_tokens: int = 512   # tokens per forward (decode tokens + prefill chunks)
+    fair_prefill_tokens: int = 0        # prefill budget per step while several groups run, shared (0: FIFO)
 
     def __post_init__(self):
         if self.max_num_seqs < 1:
@@ -49,6 +60,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._turn = 0     # rotates which group's prefill goes first (fair sharing)
 
     def check(self, req: Request) -> None:
         """Reject a request that can never run (too long for the model or for the whole KV store)."""
@@ -122,6 +134,11 @@ class Scheduler:
             n = min(req.num_drafts(self.num_speculative_tokens), budget)
             step.add(req, Segment(req.id, req.num_computed, 1 + n), n)
             budget -= n
+        if self.cfg.fair_prefill_tokens:
+            if len({r.group for r in self.running}) > 1:
+                budget = min(budget, self.cfg.fair_prefill_tokens)
+            self.share_prefill(step, prefill, budget)
+            return step if step.reqs else None
         for req in prefill:
             n = min(req.total_len - req.num_computed, budget)
             if n <= 0:
@@ -129,3 +146,30 @@ class Scheduler:
             step.add(req, Segment(req.id, req.num_computed, n))
             budget -= n
         return step if step.reqs else None
+
+    def share_prefill(self, step: ScheduledStep, prefill: list[Request], budget: int) -> None:
+        """Prefill chunks within `budget`, shared between groups: the groups in turn (starting one later every
+        step) each get an equal part of what is left, spent on their requests oldest first; the first group of
+        the step gets at least one token, so every group progresses whatever the costs."""
+        groups: dict[str, list[Request]] = {}
+        for req in prefill:
+            groups.setdefault(req.group, []).append(req)
+        order = list(groups)
+        if not order:
+            return
+        first = self._turn % len(order)
+        self._turn += 1
+        order = order[first:] + order[:first]
+        for k, group in enumerate(order):
+            share = budget // (len(order) - k)
+            spent = 0
+            for req in groups[group]:
+                cost = 1 + (PROMPT_LOGPROB_ROW_COST if req.wants_prompt_logits else 0)
+                n = min(req.total_len - req.num_computed, (share - spent) // cost)
+                if n <= 0 and k == 0 and spent == 0:
+                    n = 1
+                if n <= 0:
+                    break
+                step.add(req, Segment(req.id, req.num_computed, n))
+                spent += n * cost
+            budget = max(0, budget - spent)

@@ -8,6 +8,8 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache, partial
 from contextlib import aclosing, asynccontextmanager, suppress
 from dataclasses import dataclass
 from importlib.metadata import version
@@ -20,15 +22,16 @@ from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
 
 from ..engine.engine import Engine
-from ..engine.request import RequestError, RequestOutput
+from ..engine.request import MAX_LOGPROBS, RequestError, RequestOutput
 from .chat import ChatEncoder
-from .engine_client import AsyncEngine, merge_outputs, merged
+from .engine_client import AsyncEngine, Batch, merge_outputs
 from .errors import APIError, error_body, error_response, validation_error
 from .logprobs import CompletionLogprobs, chat_logprobs, prompt_logprobs
 from .metrics import Metrics
-from .middleware import ApiKeyAuth, BodyGuard
+from .middleware import ApiKeyAuth, BodyGuard, HeaderGuard
 from .output_parser import MarkerIds, OutputParser, ParsedDelta
 from .protocol import (ChatRequest, CompletionRequest, DetokenizeRequest, SamplingFields, TokenizeChatRequest,
                        TokenizeCompletionRequest, Usage, now)
@@ -48,6 +51,12 @@ class ServerConfig:
     debug_hooks: bool = False   # accept `debug_forced_token_ids` (tests of the output parsers)
     max_request_bytes: int | None = None   # request body limit; None: sized from max_model_len
     read_timeout_s: float = 30.0           # a request body must arrive within this (headers: connection.py)
+    max_batch_fanout: int = 256            # engine requests per API request (prompts x n)
+    max_logit_bias: int = 1024             # logit_bias entries per request
+    max_logprobs: int = MAX_LOGPROBS       # alternatives per token (logprobs, top_logprobs, prompt_logprobs)
+    max_header_bytes: int = 16384          # request line and headers
+    enable_docs: bool = False              # /docs, /redoc, /openapi.json
+    cpu_workers: int = 4                   # threads for CPU-heavy request work (tokenizing, formatting)
 
     @property
     def body_limit(self) -> int:
@@ -56,7 +65,7 @@ class ServerConfig:
         return self.max_request_bytes if self.max_request_bytes is not None else (1 << 20) + 16 * self.max_model_len
 
 
-async def collect(request: Request, outputs: AsyncIterator[tuple[int, RequestOutput]],
+async def collect(request: Request, outputs: Batch,
                   each: Callable[[int, RequestOutput], None]) -> dict[int, RequestOutput] | None:
     """Consume a non-streaming request's outputs (choice index, output), passing each to `each`; returns the last
     output of every choice, or None if the client disconnected first. Then the outputs are closed, which aborts
@@ -80,8 +89,64 @@ async def collect(request: Request, outputs: AsyncIterator[tuple[int, RequestOut
     return task.result()
 
 
+class BatchStream(StreamingResponse):
+    """A streamed response that owns its engine requests: however the response ends (finished, the client gone,
+    an error), the batch is closed, which aborts whatever still runs."""
+
+    def __init__(self, content: AsyncIterator[str], batch: Batch):
+        super().__init__(content, media_type="text/event-stream")
+        self.batch = batch
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.batch.aclose()
+
+
+SCALARS_PER_DUMP = 4096    # list elements per json.dumps call when they are numbers or strings
+CONTAINERS_PER_DUMP = 64   # ... when they are lists or dicts (logprob entries)
+
+
+def dumps(obj: Any) -> str:
+    """JSON text of obj, made by many small json.dumps calls: one call holds the GIL for its whole argument (a
+    million-token body: a quarter of a second), and the event loop must get it back within milliseconds."""
+    out: list[str] = []
+
+    def nested(v: Any) -> bool:   # a dict holding containers, or a long list: encoded piece by piece
+        return (isinstance(v, dict) and any(isinstance(x, (dict, list)) for x in v.values())) or (
+            isinstance(v, list) and len(v) > CONTAINERS_PER_DUMP)
+
+    def encode(v: Any) -> None:
+        if isinstance(v, dict) and nested(v):
+            out.append("{")
+            for i, (k, x) in enumerate(v.items()):
+                out.append(("," if i else "") + json.dumps(str(k), ensure_ascii=False) + ":")
+                encode(x)
+            out.append("}")
+        elif isinstance(v, list) and any(nested(x) for x in v[:CONTAINERS_PER_DUMP]):
+            out.append("[")
+            for i, x in enumerate(v):
+                out.append("," if i else "")
+                encode(x)
+            out.append("]")
+        elif isinstance(v, list) and len(v) > CONTAINERS_PER_DUMP:
+            step = CONTAINERS_PER_DUMP if any(isinstance(x, (dict, list)) for x in v) else SCALARS_PER_DUMP
+            out.append("[" + ",".join(json.dumps(v[k:k + step], ensure_ascii=False, allow_nan=False)[1:-1]
+                                      for k in range(0, len(v), step)) + "]")
+        else:
+            out.append(json.dumps(v, ensure_ascii=False, allow_nan=False))
+    encode(obj)
+    return "".join(out)
+
+
 def sse(obj: dict | str) -> str:
-    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
+    return f"data: {obj if isinstance(obj, str) else dumps(obj)}\n\n"
+
+
+def render(obj: dict) -> Response:
+    """A JSON response rendered by the caller (in the worker pool: a body of a million tokens takes seconds)."""
+    return Response(dumps(obj).encode(), media_type="application/json")
 
 
 def build_app(engine: Engine, tokenizer: MistralTokenizer, cfg: ServerConfig) -> FastAPI:
@@ -91,14 +156,31 @@ def build_app(engine: Engine, tokenizer: MistralTokenizer, cfg: ServerConfig) ->
     markers = MarkerIds.of(text_tok.get_special_token)
     chat_encoder = ChatEncoder(tokenizer)
     state: dict[str, AsyncEngine] = {}
+    pool = ThreadPoolExecutor(cfg.cpu_workers, thread_name_prefix="hisparse-cpu")
+
+    async def offload(fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args) in the bounded worker pool: tokenizing, detokenizing, formatting logprobs and rendering a
+        request's JSON take time in proportion to what the request carries, and the event loop (/health, every
+        other client) must not wait for it."""
+        return await asyncio.get_running_loop().run_in_executor(pool, partial(fn, *args))
+
+    @lru_cache(maxsize=None)
+    def piece(tid: int) -> str:
+        return text_tok.decode([tid])
+
+    def decode(ids: list[int]) -> str:
+        """Text of ids; single tokens (every logprob entry) come from a cache."""
+        return piece(ids[0]) if len(ids) == 1 else text_tok.decode(ids)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state["client"] = AsyncEngine(engine)
         yield
         state["client"].shutdown()
+        pool.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="hisparse", lifespan=lifespan)
+    docs = {} if cfg.enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="hisparse", lifespan=lifespan, **docs)
 
     # ---- errors ----
     @app.exception_handler(APIError)
@@ -125,6 +207,7 @@ def build_app(engine: Engine, tokenizer: MistralTokenizer, cfg: ServerConfig) ->
                                        kind="server_error"))
 
     app.add_middleware(BodyGuard, max_bytes=cfg.body_limit, timeout_s=cfg.read_timeout_s)
+    app.add_middleware(HeaderGuard, max_bytes=cfg.max_header_bytes)
     if cfg.api_key:    # added last: the outer layer, so an unauthenticated body is never read
         app.add_middleware(ApiKeyAuth, api_key=cfg.api_key)
 
@@ -134,22 +217,44 @@ def build_app(engine: Engine, tokenizer: MistralTokenizer, cfg: ServerConfig) ->
             raise APIError(404, f"The model `{model}` does not exist; this server serves `{cfg.model_name}`.",
                            "model", "model_not_found")
 
-    def check_common(req: SamplingFields) -> None:
+    def encode_text(text: str, add_special_tokens: bool = True) -> list[int]:
+        """A prompt's ids; text the tokenizer cannot take (its regex gives up on some pathological inputs, such as
+        a very long run of whitespace) is the client's problem: a 400 naming the prompt."""
+        try:
+            return text_tok.encode(text, add_special_tokens, False)
+        except Exception as e:   # noqa: BLE001 - whatever the tokenizer raises is about this text
+            raise APIError(400, f"prompt: the tokenizer cannot encode this text ({type(e).__name__}: {e})",
+                           "prompt") from None
+
+    def check_common(req: SamplingFields, prompts: int, logprobs: dict[str, int | None]) -> None:
+        """The checks every generation request passes before anything is tokenized or queued: the model, the
+        fan-out (`prompts` x n engine requests), logit_bias entries and logprobs counts (`logprobs`: field ->
+        value) within the server's limits."""
         check_model(req.model)
+        if prompts * req.n > cfg.max_batch_fanout:
+            raise APIError(400, f"n: {prompts} prompt(s) x n={req.n} is {prompts * req.n} engine requests; this "
+                                f"server accepts at most {cfg.max_batch_fanout} per request (--max-batch-fanout)",
+                           "n", "fanout_too_large")
+        if req.logit_bias and len(req.logit_bias) > cfg.max_logit_bias:
+            raise APIError(400, f"logit_bias: {len(req.logit_bias)} entries; this server accepts at most "
+                                f"{cfg.max_logit_bias} (--max-logit-bias)", "logit_bias")
+        limit = min(cfg.max_logprobs, engine.vocab)
+        for name, n in logprobs.items():
+            if n is not None and n > limit:
+                raise APIError(400, f"{name}: {n} alternatives per token; this server returns at most {limit} "
+                                    "(--max-logprobs)", name)
         if req.debug_forced_token_ids is not None and not cfg.debug_hooks:
             raise APIError(400, "debug_forced_token_ids: only accepted by a server started with --debug-hooks",
                            "debug_forced_token_ids")
 
     def submit(prompts: list[list[int]], req: SamplingFields, max_tokens: int, prefix: str,
-               logprobs: int | None = None, prompt_logprobs: int | None = None
-               ) -> tuple[str, AsyncIterator[tuple[int, RequestOutput]]]:
-        """One engine request per prompt and choice (choice i: vLLM's seed + i), indexed prompt x n + i; returns
-        the API request's id and the merged outputs of its choices."""
+               logprobs: int | None = None, prompt_logprobs: int | None = None) -> tuple[str, Batch]:
+        """One engine request per prompt and choice (choice i: vLLM's seed + i), indexed prompt x n + i, admitted
+        or rejected as a whole; returns the API request's id and the batch of its engine requests."""
         rid = f"{prefix}-{uuid.uuid4().hex}"
         params = [req.sampling_params(max_tokens, logprobs, prompt_logprobs, seed) for seed in req.choice_seeds()]
-        streams = [state["client"].submit(prompt, p, f"{rid}-{j * req.n + i}")
-                   for j, prompt in enumerate(prompts) for i, p in enumerate(params)]
-        return rid, merged(streams)
+        return rid, state["client"].submit([(prompt, p, f"{rid}-{j * req.n + i}")
+                                            for j, prompt in enumerate(prompts) for i, p in enumerate(params)], rid)
 
     def failed(out: RequestOutput) -> APIError:
         return APIError(500, f"generation failed: {out.error}", code="internal_error", kind="server_error")
@@ -181,14 +286,13 @@ def build_app(engine: Engine, tokenizer: MistralTokenizer, cfg: ServerConfig) ->
         except ValidationError as e:
             raise RequestValidationError(e.errors()) from None
         check_model(req.model)
-        if isinstance(req, TokenizeChatRequest):
-            tokens = await asyncio.to_thread(chat_encoder.encode, req)
-        else:
-            tokens = await asyncio.to_thread(text_tok.encode, req.prompt, req.add_special_tokens, False)
-        out = {"count": len(tokens), "max_model_len": cfg.max_model_len, "tokens": tokens, "token_strs": None}
-        if req.return_token_strs:
-            out["token_strs"] = [text_tok.id_to_piece(t) for t in tokens]
-        return out
+        def run() -> Response:
+            tokens = chat_encoder.encode(req) if isinstance(req, TokenizeChatRequest) else \
+                encode_text(req.prompt, req.add_special_tokens)
+            strs = [text_tok.id_to_piece(t) for t in tokens] if req.return_token_strs else None
+            return render({"count": len(tokens), "max_model_len": cfg.max_model_len, "tokens": tokens,
+                           "token_strs": strs})
+        return await offload(run)
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
@@ -196,22 +300,23 @@ def build_app(engine: Engine, tokenizer: MistralTokenizer, cfg: ServerConfig) ->
         bad = [t for t in req.tokens if not 0 <= t < engine.vocab]
         if bad:
             raise APIError(400, f"tokens: ids {bad[:8]} outside the vocabulary [0, {engine.vocab})", "tokens")
-        return {"prompt": text_tok.decode(req.tokens)}
+        return await offload(lambda: render({"prompt": text_tok.decode(req.tokens)}))
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
-        check_common(req)
-        prompts = await asyncio.to_thread(   # tokenising long prompts must not block the event loop
-            lambda: [text_tok.encode(p, True, False) if isinstance(p, str) else p for p in req.prompts])
+        check_common(req, len(req.prompts), {"logprobs": req.logprobs, "prompt_logprobs": req.prompt_logprobs})
+        prompts = await offload(lambda: [encode_text(p) if isinstance(p, str) else p for p in req.prompts])
         prompt_only = req.max_tokens == 0     # echo without generation: the prompt and its logprobs alone
         echo_logprobs = req.logprobs if req.echo and req.prompt_logprobs is None else req.prompt_logprobs
         rid, outputs = submit(prompts, req, 1 if prompt_only else req.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS,
                               "cmpl", None if prompt_only else req.logprobs, echo_logprobs)
+        async with outputs.closed_on_error():   # until the response owns the batch
+            texts = await offload(lambda: [p if isinstance(p, str) else text_tok.decode(ids)
+                                           for p, ids in zip(req.prompts, prompts)])
         created = now()
-        texts = [p if isinstance(p, str) else text_tok.decode(ids) for p, ids in zip(req.prompts, prompts)]
         num = len(prompts) * req.n            # choices: prompt j's choice i has index j x n + i
         prompt_tokens = sum(map(len, prompts))
-        lp_builders = [CompletionLogprobs(text_tok.decode) for _ in range(num)]
+        lp_builders = [CompletionLogprobs(decode) for _ in range(num)]
         echoed, sent_ids = [False] * num, [False] * num
 
         def choice(i: int, out: RequestOutput, text: str, reason: str | None) -> dict:
@@ -247,13 +352,13 @@ def build_app(engine: Engine, tokenizer: MistralTokenizer, cfg: ServerConfig) ->
                             break
                         tokens += len(out.new_token_ids)
                         if out.text_delta or out.new_token_ids or out.finished:
-                            yield sse(body([choice(i, out, out.text_delta, out.finish_reason if out.finished
-                                                   else None)]))
+                            yield await offload(lambda: sse(body([choice(i, out, out.text_delta, out.finish_reason
+                                                                         if out.finished else None)])))
                         done += out.finished
                         if out.finished and req.include_usage and done == num:
                             yield sse({**body([]), "usage": Usage.of(prompt_tokens, tokens).model_dump()})
                 yield sse("[DONE]")
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return BatchStream(events(), outputs)
 
         outs = [RequestOutput(rid, [], "") for _ in range(num)]   # each choice's outputs merged
 
@@ -264,29 +369,32 @@ def build_app(engine: Engine, tokenizer: MistralTokenizer, cfg: ServerConfig) ->
             return Response(status_code=CLIENT_CLOSED)
         if any(o.error for o in outs):
             raise failed(next(o for o in outs if o.error))
-        choices = [choice(i, o, o.text_delta, o.finish_reason) for i, o in enumerate(outs)]
-        if req.prompt_logprobs is not None:
-            for c, o in zip(choices, outs):
-                c["prompt_logprobs"] = prompt_logprobs(o.prompt_logprobs, text_tok.decode)
-        completion = sum(o.output_tokens for o in outs)
-        return {**body(choices), "usage": Usage.of(prompt_tokens, completion).model_dump()}
+
+        def response() -> Response:
+            choices = [choice(i, o, o.text_delta, o.finish_reason) for i, o in enumerate(outs)]
+            if req.prompt_logprobs is not None:
+                for c, o in zip(choices, outs):
+                    c["prompt_logprobs"] = prompt_logprobs(o.prompt_logprobs, decode)
+            completion = sum(o.output_tokens for o in outs)
+            return render({**body(choices), "usage": Usage.of(prompt_tokens, completion).model_dump()})
+        return await offload(response)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
-        check_common(req)
-        prompt = await asyncio.to_thread(chat_encoder.encode, req)
+        check_common(req, 1, {"top_logprobs": req.top_logprobs, "prompt_logprobs": req.prompt_logprobs})
+        prompt = await offload(chat_encoder.encode, req)
         max_tokens = req.max_completion_tokens or req.max_tokens or \
             max(1, min(CHAT_DEFAULT_MAX_TOKENS, cfg.max_model_len - len(prompt)))
+        parsers = [OutputParser(markers, text_tok.decode, tuple(req.stop), req.min_tokens) for _ in range(req.n)]
         rid, outputs = submit([prompt], req, max_tokens, "chatcmpl", req.top_logprobs or 0 if req.logprobs else None,
                               req.prompt_logprobs)
-        parsers = [OutputParser(markers, text_tok.decode, tuple(req.stop), req.min_tokens) for _ in range(req.n)]
         created = now()
 
         def reason_of(i: int, out: RequestOutput) -> str:
             return "tool_calls" if parsers[i].calls and out.finish_reason == "stop" else out.finish_reason
 
         def logprobs_of(lps: list) -> dict | None:
-            return chat_logprobs(lps, text_tok.decode) if req.logprobs else None
+            return chat_logprobs(lps, decode) if req.logprobs else None
 
         def chunk(i: int, delta: dict, reason: str | None, lps: list | None = None) -> dict:
             return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": cfg.model_name,
@@ -319,7 +427,7 @@ def build_app(engine: Engine, tokenizer: MistralTokenizer, cfg: ServerConfig) ->
                         if out.finished:
                             d = d.merge(parsers[i].finish())
                         if d or out.logprobs:
-                            yield sse(chunk(i, delta_dict(d), None, out.logprobs))
+                            yield await offload(lambda: sse(chunk(i, delta_dict(d), None, out.logprobs)))
                         if out.finished:
                             done += 1
                             yield sse(chunk(i, {}, reason_of(i, out)))
@@ -327,7 +435,7 @@ def build_app(engine: Engine, tokenizer: MistralTokenizer, cfg: ServerConfig) ->
                                 yield sse({**chunk(0, {}, None), "choices": [],
                                            "usage": Usage.of(out.prompt_tokens, tokens).model_dump()})
                 yield sse("[DONE]")
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return BatchStream(events(), outputs)
 
         outs = [RequestOutput(rid, [], "") for _ in range(req.n)]   # each choice's outputs merged
 
@@ -339,14 +447,17 @@ def build_app(engine: Engine, tokenizer: MistralTokenizer, cfg: ServerConfig) ->
             return Response(status_code=CLIENT_CLOSED)
         if any(o.error for o in outs):
             raise failed(next(o for o in outs if o.error))
-        for p in parsers:
-            p.finish()
-        response = {"id": rid, "object": "chat.completion", "created": created, "model": cfg.model_name,
-                    "choices": [{"index": i, "message": parsers[i].message(), "logprobs": logprobs_of(o.logprobs),
-                                 "finish_reason": reason_of(i, o)} for i, o in enumerate(outs)],
-                    "usage": Usage.of(len(prompt), sum(o.output_tokens for o in outs)).model_dump()}
-        if req.prompt_logprobs is not None:
-            response["prompt_logprobs"] = prompt_logprobs(outs[0].prompt_logprobs, text_tok.decode)
-        return response
+
+        def response() -> Response:
+            for p in parsers:
+                p.finish()
+            out = {"id": rid, "object": "chat.completion", "created": created, "model": cfg.model_name,
+                   "choices": [{"index": i, "message": parsers[i].message(), "logprobs": logprobs_of(o.logprobs),
+                                "finish_reason": reason_of(i, o)} for i, o in enumerate(outs)],
+                   "usage": Usage.of(len(prompt), sum(o.output_tokens for o in outs)).model_dump()}
+            if req.prompt_logprobs is not None:
+                out["prompt_logprobs"] = prompt_logprobs(outs[0].prompt_logprobs, decode)
+            return render(out)
+        return await offload(response)
 
     return app

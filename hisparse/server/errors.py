@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 from fastapi.exceptions import RequestValidationError
@@ -24,8 +25,18 @@ def error_body(message: str, kind: str, param: str | None, code: str | None) -> 
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+class ErrorJSON(JSONResponse):
+    """JSON with non-ASCII escaped: an error echoes client text, which must render whatever it holds."""
+
+    def render(self, content: object) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
+
+
 def error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(error_body(e.message, e.kind, e.param, e.code), status_code=e.status)
+    """The error as a response; a server error (5xx) also closes the connection (`Connection: close`), as the
+    state of whatever failed is unknown, and the client learns it before reusing the connection."""
+    headers = {"Connection": "close"} if e.status >= 500 else None
+    return ErrorJSON(error_body(e.message, e.kind, e.param, e.code), status_code=e.status, headers=headers)
 
 
 def validation_error(e: RequestValidationError) -> APIError:

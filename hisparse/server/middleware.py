@@ -31,6 +31,25 @@ class ApiKeyAuth:
         await self.app(scope, receive, send)
 
 
+class HeaderGuard:
+    """Answers 431 to a request whose head (request line and headers) exceeds `max_bytes`: h11 bounds only a
+    head that arrives in pieces, and one that arrives whole would otherwise be accepted at any size."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            size = len(scope.get("raw_path") or b"") + len(scope["query_string"]) + sum(
+                len(k) + len(v) + 4 for k, v in scope["headers"])
+            if size > self.max_bytes:
+                reply = error_response(APIError(431, f"request headers are {size:,} bytes; this server accepts at "
+                                                     f"most {self.max_bytes:,} (--max-header-bytes)",
+                                                code="request_header_fields_too_large"))
+                return await reply(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
 class BodyGuard:
     """Reads a request's whole body before the app sees it, within `max_bytes` (else 413, without reading the
     rest when Content-Length says so up front) and `timeout_s` (else 408: a client that stops sending cannot hold

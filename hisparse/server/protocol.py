@@ -9,12 +9,13 @@ semantics than it asked for.
 from __future__ import annotations
 
 import logging
+import re
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ..engine.request import MAX_LOGPROBS, SamplingParams
+from ..engine.request import SamplingParams
 
 log = logging.getLogger("hisparse.server")
 
@@ -22,6 +23,43 @@ log = logging.getLogger("hisparse.server")
 class Strict(BaseModel):
     """No unknown fields and no type coercion ("16" is not an integer, "yes" not a boolean), as OpenAI answers."""
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+SURROGATE = re.compile("[\ud800-\udfff]")
+TOKEN_ID = re.compile(r"-?[0-9]+")
+
+
+def surrogate_at(value: Any, path: str) -> str | None:
+    """The path of the first string in `value` holding a lone surrogate (JSON's \\ud800 escapes decode to one;
+    it is not Unicode and can be neither tokenized faithfully nor sent back), or None."""
+    if isinstance(value, str):
+        return path if SURROGATE.search(value) else None
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list) and value and isinstance(value[0], (str, list, dict)):
+        items = enumerate(value)
+    else:     # numbers, and lists of them (token ids): nothing to check
+        return None
+    for k, v in items:
+        if isinstance(k, str) and SURROGATE.search(k):
+            return f"{path}.{ascii(k)}" if path else ascii(k)
+        found = surrogate_at(v, f"{path}.{k}" if path else str(k))
+        if found:
+            return found
+    return None
+
+
+class TextChecked(Strict):
+    """A request body whose strings must be valid Unicode: a lone surrogate anywhere is a 400 naming the
+    top-level field it is in."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_surrogates(cls, data: Any) -> Any:
+        where = surrogate_at(data, "") if isinstance(data, dict) else None
+        if where:
+            raise ValueError(f"{where.split('.')[0]}: a lone UTF-16 surrogate (at {where}) is not valid Unicode")
+        return data
 
 
 class ResponseFormat(Strict):
@@ -78,7 +116,7 @@ IGNORED_FIELDS = frozenset({
     "media_io_kwargs", "mm_processor_kwargs", "return_prompt_text"})
 
 
-class SamplingFields(VLLMFields):
+class SamplingFields(VLLMFields, TextChecked):
     """Fields shared by /v1/completions and /v1/chat/completions. Optional vLLM sampling fields left out or null
     take vLLM's defaults."""
     model: str | None = None     # missing, null or "": the served model (as vLLM)
@@ -98,8 +136,8 @@ class SamplingFields(VLLMFields):
     repetition_penalty: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     min_tokens: int = Field(default=0, ge=0)
-    logit_bias: dict[str, float] | None = None
-    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    logit_bias: dict[str, Annotated[float, Field(allow_inf_nan=False)]] | None = None   # finite biases
+    prompt_logprobs: int | None = Field(default=None, ge=0)
     user: str | None = None
     debug_forced_token_ids: list[int] | None = None   # only with `serve --debug-hooks`: forces the first outputs
 
@@ -116,7 +154,7 @@ class SamplingFields(VLLMFields):
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        bad = [k for k in v or () if not k.strip().lstrip("-").isdigit()]
+        bad = [k for k in v or () if not TOKEN_ID.fullmatch(k.strip())]
         if bad:
             raise ValueError(f"keys must be token ids, got {bad[:4]}")
         return v
@@ -157,7 +195,7 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]    # one prompt, or a batch (each gets n choices)
     max_tokens: int | None = Field(default=None, ge=0)   # 0 only with echo: the prompt's logprobs alone
     echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(default=None, ge=0)
     suffix: None = None
     best_of: int | None = None
     add_special_tokens: Literal[True] = True
@@ -254,7 +292,7 @@ class ChatRequest(SamplingFields):
     reasoning_effort: str | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(default=0, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(default=0, ge=0)
     response_format: ResponseFormat | None = None
     # vLLM's chat extras: neutral values only, or ignored (IGNORED_FIELDS)
     echo: Literal[False] = False
@@ -290,14 +328,14 @@ class ChatRequest(SamplingFields):
 
 # ---- tokenizer routes (vLLM's shapes) ----
 
-class TokenizeCompletionRequest(Strict):
+class TokenizeCompletionRequest(TextChecked):
     model: str | None = None
     prompt: str
     add_special_tokens: bool = True
     return_token_strs: bool | None = False
 
 
-class TokenizeChatRequest(Strict):
+class TokenizeChatRequest(TextChecked):
     """The chat form of /tokenize: the prompt ids a chat request with these messages and tools would run."""
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
@@ -311,7 +349,7 @@ class TokenizeChatRequest(Strict):
     return_token_strs: bool | None = False
 
 
-class DetokenizeRequest(Strict):
+class DetokenizeRequest(TextChecked):
     model: str | None = None
     tokens: list[int]
 

@@ -40,6 +40,7 @@ from .app import ServerConfig, build_app
 from .connection import HeaderTimeoutH11
 
 
+SWITCH_INTERVAL_S = 0.001   # GIL hand-over: the event loop waits at most this for the engine and worker threads
 FINAL_EVENTS_S = 5.0   # after the drain: time for the failed requests' last events to reach their clients
 
 
@@ -110,11 +111,13 @@ def speculative_lines(spec: SpeculativeConfig, model: ML4) -> list[str]:
 
 def build_engine(model: ML4, kv: LatentKV, tokenizer, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int, speculative: SpeculativeConfig | None = None,
-                 group: DCPGroup | None = None, tp_size: int = 1, graphs: DecodeGraphs | None = None) -> Engine:
+                 group: DCPGroup | None = None, tp_size: int = 1, graphs: DecodeGraphs | None = None,
+                 fair_prefill_tokens: int = 0) -> Engine:
     """The engine (rank 0's DCPEngine when `group`, the parallel group, is given)."""
     inner = tokenizer.instruct_tokenizer.tokenizer
     per_seq = SpeculativeConfig.rows_per_request(speculative)   # every decode step fits, drafts included
-    cfg = SchedulerConfig(max_model_len, max_num_seqs, max(max_num_batched_tokens, max_num_seqs * per_seq))
+    cfg = SchedulerConfig(max_model_len, max_num_seqs, max(max_num_batched_tokens, max_num_seqs * per_seq),
+                          fair_prefill_tokens)
     kwargs = dict(eos_id=inner.eos_id, decode=inner.decode, speculative=speculative, graphs=graphs)
     if group is None:
         return Engine(model, kv, cfg, **kwargs)
@@ -205,10 +208,11 @@ def _serve(args: argparse.Namespace, model_dir: Path, dtype: torch.dtype, kv_set
     if graph_rows:
         graphs = capture_graphs(model, graph_rows, fallback=args.cuda_graph == "auto" and par is None)
     engine = build_engine(model, kv, tokenizer, max_model_len, args.max_num_seqs, args.max_num_batched_tokens,
-                          speculative, group, par.tp_size if par is not None else 1, graphs)
+                          speculative, group, par.tp_size if par is not None else 1, graphs, args.fair_prefill_tokens)
     name = args.served_model_name or model_dir.name
-    app = build_app(engine, tokenizer, ServerConfig(name, max_model_len, args.api_key, args.debug_hooks,
-                                                    args.max_request_bytes, args.read_timeout))
+    app = build_app(engine, tokenizer, ServerConfig(
+        name, max_model_len, args.api_key, args.debug_hooks, args.max_request_bytes, args.read_timeout,
+        args.max_batch_fanout, args.max_logit_bias, args.max_logprobs, args.max_header_bytes, args.enable_docs))
     lines = capacity_lines(kv, kv_settings.offload, max_model_len)
     if par is not None:
         ranks = engine.start_up(model)
@@ -223,8 +227,10 @@ def _serve(args: argparse.Namespace, model_dir: Path, dtype: torch.dtype, kv_set
           f"at http://{args.host}:{args.port}/v1 (Ctrl-C to stop)", flush=True)
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            access_log=False, http=HeaderTimeoutH11.with_timeout(args.read_timeout),
+                                           h11_max_incomplete_event_size=args.max_header_bytes,
                                            timeout_graceful_shutdown=args.shutdown_timeout + FINAL_EVENTS_S),
                             engine, args.shutdown_timeout)
     engine.on_fatal = lambda err: setattr(server, "should_exit", True)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     server.run()
     return engine
