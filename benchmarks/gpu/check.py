@@ -18,18 +18,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import torch
+
+from benchmarks.hisparse_server import start_serve
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "checkpoints" / "needle-ml4"
@@ -39,6 +38,7 @@ CUDA_TESTS = ["tests/test_triton_miss_path.py", "tests/test_triton_sparse_mla.py
               "tests/test_capture_audit.py", "tests/test_kernel_barriers.py", "tests/test_triton_aot.py"]
 # compiling the whole matrix ahead of time is the CPU's job (CI); on the device the kernels compile as they launch
 CUDA_TESTS_DESELECT = "not compiles_for_sm90"
+SERVER_THREADS = 4          # CPU threads of each server process
 
 
 def run_tests(out: Path, budget_s: int) -> dict:
@@ -56,64 +56,32 @@ def run_tests(out: Path, budget_s: int) -> dict:
             "seconds": round(time.perf_counter() - t0, 1), "command": " ".join(cmd[2:])}
 
 
-class Server:
-    """`hisparse serve` in its own process group, on a free port, its output in `log`."""
-
-    def __init__(self, port: int, log: Path, device: str, *flags: str):
-        self.port, self.log = port, log
-        self.cmd = [sys.executable, "-m", "hisparse.cli", "serve", "--model", str(MODEL), "--device", device,
-                    "--port", str(port), "--max-model-len", "40000", "--host-pool-gib", "8", *flags]
-        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
-
-    def wait_ready(self, timeout_s: float) -> bool:
-        end = time.time() + timeout_s
-        while time.time() < end:
-            if self.proc.poll() is not None:
-                return False
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200:
-                    return True
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        return False
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-
-
 def run_serve(out: Path, device: str, quick: bool, budget_s: int) -> dict:
     """Needle prompts through the default server; the full check compares it with an all-resident server."""
     t0 = time.perf_counter()
-    servers = [Server(18731, out / "serve-hisparse.log", device)]
+    common = ["--model", str(MODEL), "--device", device, "--max-model-len", "40000", "--host-pool-gib", "8"]
+    wanted = [(18731, out / "serve-hisparse.log", common)]
     if not quick:
-        servers.append(Server(18732, out / "serve-none.log", device, "--kv-offload", "none"))
-    result: dict = {"servers": [" ".join(s.cmd[2:]) for s in servers]}
+        wanted.append((18732, out / "serve-none.log", [*common, "--kv-offload", "none"]))
+    result: dict = {"servers": [" ".join(flags) for _, _, flags in wanted]}
+    servers = []
     try:
-        ready = [s.wait_ready(180) for s in servers]
-        result["ready"] = ready
-        if not all(ready):
-            result["ok"] = False
+        try:
+            for port, log, flags in wanted:
+                servers.append(start_serve(flags, port, SERVER_THREADS, log))
+        except SystemExit as e:   # start_serve's report: the server exited or did not start, with its log
+            result |= {"ok": False, "error": str(e)[-2000:]}
             return result
         startup = (out / "serve-hisparse.log").read_text()
         result["graphs"] = next((ln.strip() for ln in startup.splitlines() if "CUDA graphs" in ln), None)
-        lengths, depths, seeds = ("8k", "0,25,50,75,100", 1) if quick else ("8k,32k", "0,25,50,75,100", 1)
+        urls = [f"http://127.0.0.1:{port}/v1" for port, _, _ in wanted]
+        lengths = "8k" if quick else "8k,32k"
         with tempfile.TemporaryDirectory() as tmp:
-            cmd = [sys.executable, "-m", "benchmarks.needle", "--base-url", servers[0].url, "--api", "completions",
+            cmd = [sys.executable, "-m", "benchmarks.needle", "--base-url", urls[0], "--api", "completions",
                    "--haystack", "synthetic", "--tokenizer", str(MODEL), "--max-tokens", "10", "--lengths", lengths,
-                   "--depths", depths, "--seeds", str(seeds), "--out", tmp]
+                   "--depths", "0,25,50,75,100", "--seeds", "1", "--out", tmp]
             if not quick:
-                cmd += ["--compare-base-url", servers[1].url]
+                cmd += ["--compare-base-url", urls[1]]
             budget = max(30, budget_s - (time.perf_counter() - t0))
             try:
                 run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=budget)
@@ -131,8 +99,9 @@ def run_serve(out: Path, device: str, quick: bool, budget_s: int) -> dict:
         agree = (s.get("agreement") or {}).get("rate") if s else None
         result["ok"] = bool(s) and s.get("records", 0) > 0 and errors == 0 and (quick or agree == 1.0)
     finally:
-        for srv in servers:
-            srv.stop()
+        for proc in servers:
+            proc.terminate()
+            proc.wait(30)
         result["seconds"] = round(time.perf_counter() - t0, 1)
     return result
 
