@@ -19,13 +19,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from hisparse.engine.generate import prefill
-from hisparse.engine.kv_settings import KVSettings
+from hisparse.kv.settings import KVSettings
 from hisparse.gpu_working_set.copier import Copier
 from hisparse.host_pool.pool import HostPool
-from hisparse.model.batch import Segment
-from hisparse.model.config import preset, preset_params
-from hisparse.model.geometry import geometry, row_layout
+from hisparse.core.batch import Segment
+from hisparse.core.config import preset, preset_params
+from hisparse.kv.geometry import geometry, row_layout
 from hisparse.model.tiny import random_model
 
 

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-from hisparse.gpu_working_set.hisparse_kv import HiSparseKV
-from hisparse.model.config import preset, preset_params
-from hisparse.model.geometry import geometry
-from hisparse.model.index_cache import INDEX_CACHES
-from hisparse.model.kv import ResidentKV
+from hisparse.kv.hisparse_kv import HiSparseKV
+from hisparse.core.config import preset
+from hisparse.kv.geometry import geometry
+from hisparse.kv.index_cache import INDEX_CACHES
+from hisparse.kv.resident import ResidentKV
 from hisparse.model.ml4 import ML4
 from hisparse.model.weights import NEVER_QUANTISED, held_dtype, to_checkpoint_name
 from hisparse.parallel.tp import TensorParallel

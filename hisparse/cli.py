@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from .engine.cuda_graphs import GRAPH_MODES
-from .engine.kv_settings import KVSettings, KVSettingsError
+from .kv.settings import KVSettings, KVSettingsError
 from .engine.request import MAX_LOGPROBS
 from .host_pool.layout import LAYOUTS
 
@@ -129,8 +129,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_logits(args: argparse.Namespace) -> None:
-    from .model.batch import Segment
-    from .model.kv import ResidentKV
+    from .core.batch import Segment
+    from .kv.resident import ResidentKV
     from .model.weights import load_model
     model = load_model(model_dir(args.model, tokenizer=False, builtin_note=False), device=args.device)
     ids = _ids(args.prompt_ids, model.cfg.vocab_size)
@@ -158,7 +158,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .dcp.group import DEFAULT_TIMEOUT_S
+    from .parallel.group import DEFAULT_TIMEOUT_S
     ap = argparse.ArgumentParser(prog="hisparse", description="Long-context ML4 serving with host-memory sparse KV")
     sub = ap.add_subparsers(dest="cmd", required=True)
 

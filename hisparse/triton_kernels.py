@@ -28,11 +28,12 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 from .gpu_working_set.kernels import backup_triton, miss_path_triton
-from .gpu_working_set.kernels.triton_support import Specialization, recording
+from .core.triton_support import Specialization, recording
 from .gpu_working_set.resolver import HotSlots
 from .host_pool.layout import RowLayout
-from .model.config import ModelConfig, preset_params
-from .model.kernels import indexer_triton, moe_triton, sparse_mla_triton, topk_triton
+from .core.config import ModelConfig, preset_params
+from .kv.kernels import indexer_triton, sparse_mla_triton, topk_triton
+from .model.kernels import moe_triton
 
 SHARED_LIMIT = {90: 232448}   # shared memory one block may use, by target (sm_90: 227 KiB)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

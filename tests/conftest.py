@@ -24,9 +24,10 @@ if (not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ
     import triton.experimental.gluon  # noqa: E402,F401  (imported lazily at the first launch otherwise)
     del os.environ["TRITON_INTERPRET"]
 
-from hisparse.model.batch import ForwardTrace, Segment
-from hisparse.model.config import preset_params
-from hisparse.model.kv import LatentKV, ResidentKV
+from hisparse.core.batch import ForwardTrace, Segment
+from hisparse.core.config import preset_params
+from hisparse.kv.base import LatentKV
+from hisparse.kv.resident import ResidentKV
 from hisparse.model.ml4 import ML4
 from hisparse.model.tiny import make_tiny, random_model
 

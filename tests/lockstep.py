@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from hisparse.model.kv import LatentKV
+from hisparse.kv.base import LatentKV
 
 
 def _clone(value: Any, dtype: torch.dtype | None = None) -> Any:

@@ -38,9 +38,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import hisparse
 from hisparse.engine.cuda_graphs import DecodeGraphs
-from hisparse.gpu_working_set.kernels import triton_support
+from hisparse.core import triton_support
 from hisparse.model import linear
-from hisparse.model.config import ModelConfig, preset_params
+from hisparse.core.config import ModelConfig, preset_params
 from hisparse.model.kernels import moe_triton
 from hisparse.model.linear import FP8
 from hisparse.model.ml4 import ML4

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import full_forward, random_tokens
-from hisparse.model.config import preset_params
+from hisparse.core.config import preset_params
 from hisparse.model.tiny import random_model
 from hisparse.model.linear import Linear, weight_dequant, weight_quant
 from hisparse.model.weights import CheckpointError, from_checkpoint_name, load_model, save_model

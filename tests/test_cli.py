@@ -16,9 +16,9 @@ import torch
 
 from hisparse.cli import TRAINED_CHECKPOINT, build_parser, main
 from hisparse.engine.generate import greedy_generate
-from hisparse.engine.kv_settings import KVSettings
-from hisparse.model.batch import Segment
-from hisparse.model.kv import ResidentKV
+from hisparse.kv.settings import KVSettings
+from hisparse.core.batch import Segment
+from hisparse.kv.resident import ResidentKV
 from hisparse.model.tokenizer import load_tokenizer
 from hisparse.model.weights import load_model
 

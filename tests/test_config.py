@@ -7,15 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from hisparse.model.config import (
-    MOE_REQUIRED,
-    REQUIRED_KEYS,
-    YARN_REQUIRED,
-    ConfigError,
-    ModelConfig,
-    preset,
-    preset_params,
-)
+from hisparse.core.config import (MOE_REQUIRED, REQUIRED_KEYS, YARN_REQUIRED, ConfigError, ModelConfig, preset,
+                                  preset_params)
 
 
 def tiny_with(**changes) -> dict:

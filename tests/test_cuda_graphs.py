@@ -14,20 +14,19 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hisparse.dcp.context import DCPContext
-from hisparse.dcp.kv import ShardedKV
-from hisparse.dcp.launch import launch
-from hisparse.engine.cuda_graphs import (DecodeGraphs, GraphSettingError, bucket_sizes, capture_graphs,
-                                        graphs_wanted)
+from hisparse.parallel.context import DCPContext
+from hisparse.parallel.sharded_kv import ShardedKV
+from hisparse.parallel.launch import launch
+from hisparse.engine.cuda_graphs import DecodeGraphs, GraphSettingError, bucket_sizes, capture_graphs, graphs_wanted
 from hisparse.engine.engine import Engine
 from hisparse.engine.generate import prefill
 from hisparse.engine.request import SamplingParams
 from hisparse.engine.scheduler import SchedulerConfig
-from hisparse.gpu_working_set.hisparse_kv import HiSparseKV
-from hisparse.gpu_working_set.kernels import triton_support
-from hisparse.model.batch import Segment
-from hisparse.model.config import preset_params
-from hisparse.model.kv import ResidentKV
+from hisparse.kv.hisparse_kv import HiSparseKV
+from hisparse.core import triton_support
+from hisparse.core.batch import Segment
+from hisparse.core.config import preset_params
+from hisparse.kv.resident import ResidentKV
 from hisparse.model.tiny import random_model
 from hisparse.model.weights import load_model, save_model
 from hisparse.parallel.tp import shard_for

@@ -22,15 +22,16 @@ import torch
 import torch.distributed as dist
 
 from conftest import SEED, tiny_model
-from hisparse.dcp.context import DCPContext
-from hisparse.dcp.group import DCPError, DCPGroup
-from hisparse.dcp.kv import ShardedKV
-from hisparse.dcp.launch import DCPLaunchError, launch
-from hisparse.dcp.sharding import Sharding
+from hisparse.parallel.context import DCPContext
+from hisparse.parallel.group import DCPError, DCPGroup
+from hisparse.parallel.sharded_kv import ShardedKV
+from hisparse.parallel.launch import DCPLaunchError, launch
+from hisparse.parallel.sharding import Sharding
 from hisparse.engine.generate import greedy_generate
-from hisparse.gpu_working_set.hisparse_kv import HiSparseKV
-from hisparse.model.batch import ForwardTrace, Segment
-from hisparse.model.kv import LatentKV, ResidentKV
+from hisparse.kv.hisparse_kv import HiSparseKV
+from hisparse.core.batch import ForwardTrace, Segment
+from hisparse.kv.base import LatentKV
+from hisparse.kv.resident import ResidentKV
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -269,7 +270,7 @@ def triton_rank(group: DCPGroup, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed + 1)
     positions, seg = torch.tensor([20, 41, 59]), torch.zeros(3, dtype=torch.long)
     kv.begin_step([Segment(0, 59, 1)])        # the step tables the scorers read (no row is written)
-    from hisparse.model.kernels import indexer_triton
+    from hisparse.kv.kernels import indexer_triton
     scorer, calls = indexer_triton.paged_topk_triton, []
 
     def counted(*args, **kwargs):

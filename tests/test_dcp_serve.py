@@ -29,14 +29,14 @@ import torch
 from serving import free_port, running, wait_healthy
 from test_server import KEY, MAX_MODEL_LEN, Server
 
-from hisparse.dcp.context import DCPContext
-from hisparse.dcp.group import DCPGroup
-from hisparse.dcp.kv import ShardedKV
-from hisparse.dcp.launch import launch as launch_ranks
-from hisparse.dcp.leader import DCPEngine
-from hisparse.dcp.serve import run_follower
+from hisparse.parallel.context import DCPContext
+from hisparse.parallel.group import DCPGroup
+from hisparse.parallel.sharded_kv import ShardedKV
+from hisparse.parallel.launch import launch as launch_ranks
+from hisparse.parallel.leader import DCPEngine
+from hisparse.parallel.serve import run_follower
 from hisparse.engine.generate import greedy_generate
-from hisparse.engine.kv_settings import KVSettings
+from hisparse.kv.settings import KVSettings
 from hisparse.engine.request import SamplingParams
 from hisparse.engine.scheduler import SchedulerConfig
 from hisparse.engine.speculative import SpeculativeConfig

@@ -14,10 +14,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import random_tokens, tiny_model
-from hisparse.model.batch import ForwardTrace, Segment
-from hisparse.model.config import ConfigError, preset, preset_params
+from hisparse.core.batch import ForwardTrace, Segment
+from hisparse.core.config import ConfigError, preset, preset_params
 from hisparse.model.dspark import DraftWindowCache, DSparkDrafter
-from hisparse.model.kv import ResidentKV
+from hisparse.kv.resident import ResidentKV
 from hisparse.model.ml4 import ML4
 from hisparse.model.tiny import make_tiny, random_model
 from hisparse.model.weights import CheckpointError, load_model, save_model

@@ -9,14 +9,14 @@ import torch
 
 from conftest import random_tokens, tiny_model
 from hisparse.engine.generate import greedy_generate
-from hisparse.engine.kv_settings import KVSettings
+from hisparse.kv.settings import KVSettings
 from hisparse.engine.request import SamplingParams
 from hisparse.engine.speculative import (OracleProposer, SpecState, SpeculativeConfig, SpeculativeDecoder,
                                          accept_rejection, speculative_generate)
-from hisparse.model.batch import Segment
-from hisparse.model.config import preset
+from hisparse.core.batch import Segment
+from hisparse.core.config import preset
 from hisparse.model.dspark import DSparkDrafter
-from hisparse.model.kv import ResidentKV
+from hisparse.kv.resident import ResidentKV
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 PROMPT, NEW = 40, 64

@@ -14,11 +14,11 @@ from conftest import tiny_model
 from hisparse.engine.detokenizer import TextStream
 from hisparse.engine.engine import Engine
 from hisparse.engine.generate import greedy_generate
-from hisparse.engine.kv_settings import KVSettings
+from hisparse.kv.settings import KVSettings
 from hisparse.engine.request import Request, RequestError, SamplingParams
 from hisparse.engine.sampling import SamplingBatch, sample
 from hisparse.engine.scheduler import SchedulerConfig
-from hisparse.model.kv import ResidentKV
+from hisparse.kv.resident import ResidentKV
 from hisparse.model.tokenizer import load_tokenizer, write_tekken
 
 pytestmark = pytest.mark.usefixtures("single_thread")

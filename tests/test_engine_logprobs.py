@@ -13,7 +13,7 @@ from hisparse.engine.request import RequestOutput, SamplingParams
 from hisparse.engine.scheduler import SchedulerConfig
 from hisparse.engine.speculative import SpeculativeConfig
 from hisparse.model.dspark import DSparkDrafter
-from hisparse.model.kv import ResidentKV
+from hisparse.kv.resident import ResidentKV
 from test_engine_speculative import FAST, SCHED
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -25,9 +25,9 @@ from hisparse.engine.request import Request, SamplingParams
 from hisparse.engine.scheduler import SchedulerConfig
 from hisparse.engine.speculative import (OracleProposer, SpeculativeConfig, accept_greedy, accept_greedy_batch,
                                          batch_draft_sampler, draft_sampler, speculative_generate)
-from hisparse.gpu_working_set.hisparse_kv import HiSparseKV
+from hisparse.kv.hisparse_kv import HiSparseKV
 from hisparse.model.dspark import DSparkDrafter
-from hisparse.model.kv import ResidentKV
+from hisparse.kv.resident import ResidentKV
 from hisparse.model.tiny import builtin_tiny
 from hisparse.model.tokenizer import load_tokenizer
 from hisparse.model.weights import load_model

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from hisparse.host_pool.layout import index_row_bytes
-from hisparse.model.config import preset
-from hisparse.model.geometry import geometry, row_layout
+from hisparse.core.config import preset
+from hisparse.kv.geometry import geometry, row_layout
 
 FLT_MIN = np.finfo(np.float32).tiny
 

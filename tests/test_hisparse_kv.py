@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from hisparse.engine.generate import greedy_generate
-from hisparse.gpu_working_set.hisparse_kv import HiSparseKV
+from hisparse.kv.hisparse_kv import HiSparseKV
 from hisparse.host_pool.pool import HostPool, PoolExhausted
-from hisparse.model.batch import Segment
-from hisparse.model.config import preset, preset_params
-from hisparse.model.geometry import geometry, row_layout
-from hisparse.model.kv import ResidentKV
+from hisparse.core.batch import Segment
+from hisparse.core.config import preset, preset_params
+from hisparse.kv.geometry import geometry, row_layout
+from hisparse.kv.resident import ResidentKV
 from hisparse.model.tiny import random_model
 
 

@@ -23,13 +23,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import hisparse
 from hisparse.gpu_working_set import resolver
-from hisparse.gpu_working_set.kernels import triton_support
-from hisparse.gpu_working_set.hisparse_kv import HiSparseKV
+from hisparse.core import triton_support
+from hisparse.kv.hisparse_kv import HiSparseKV
 from hisparse.host_pool import layout as layout_mod
-from hisparse.model.batch import Segment
-from hisparse.model.config import preset_params
-from hisparse.model.kernels import indexer_topk
-from hisparse.model.kv import ResidentKV
+from hisparse.core.batch import Segment
+from hisparse.core.config import preset_params
+from hisparse.kv.kernels import indexer_topk
+from hisparse.kv.resident import ResidentKV
 from hisparse.model.tiny import random_model
 
 SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive",

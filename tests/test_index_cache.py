@@ -8,13 +8,14 @@ import math
 import pytest
 import torch
 
-from hisparse.engine.kv_settings import KVSettings, KVSettingsError
-from hisparse.model.batch import Segment
-from hisparse.model.config import preset, preset_params
-from hisparse.model.index_cache import IndexKeyStore, dequantise, key_bytes, quantise
-from hisparse.model.indexer import FUSED_MIN_PAIRS, Indexer
-from hisparse.model.kernels import indexer_topk
-from hisparse.model.kv import ResidentKV
+from hisparse.kv.settings import KVSettings, KVSettingsError
+from hisparse.core.batch import Segment
+from hisparse.core.config import preset, preset_params
+from hisparse.kv.index_cache import IndexKeyStore, dequantise, key_bytes, quantise
+from hisparse.kv.scoring import FUSED_MIN_PAIRS
+from hisparse.model.indexer import Indexer
+from hisparse.kv.kernels import indexer_topk
+from hisparse.kv.resident import ResidentKV
 from hisparse.model.tiny import random_model
 
 

@@ -14,10 +14,10 @@ import torch
 
 from conftest import full_forward, random_tokens, tiny_model
 from hisparse.model import indexer as indexer_module
-from hisparse.model.batch import ForwardTrace, Segment
-from hisparse.model.indexer import index_scores, paged_topk, score_dtype, select_topk
-from hisparse.model.kernels.indexer_topk import Build, fused_topk, fused_topk_paged
-from hisparse.model.kv import ResidentKV
+from hisparse.core.batch import ForwardTrace, Segment
+from hisparse.kv.scoring import index_scores, paged_topk, score_dtype, select_topk
+from hisparse.kv.kernels.indexer_topk import Build, fused_topk, fused_topk_paged
+from hisparse.kv.resident import ResidentKV
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

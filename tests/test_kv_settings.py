@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from hisparse.cli import main
-from hisparse.engine.kv_settings import KVSettings, KVSettingsError
-from hisparse.gpu_working_set.hisparse_kv import DEFAULT_WINDOW
-from hisparse.gpu_working_set.hisparse_kv import HiSparseKV
+from hisparse.kv.settings import KVSettings, KVSettingsError
+from hisparse.kv.hisparse_kv import DEFAULT_WINDOW
+from hisparse.kv.hisparse_kv import HiSparseKV
 from hisparse.host_pool.layout import LAYOUTS
-from hisparse.model.config import preset
-from hisparse.model.kv import ResidentKV
+from hisparse.core.config import preset
+from hisparse.kv.resident import ResidentKV
 
 FIELDS = ("offload", "layout", "host_pool_gib", "hot_buffer_tokens", "resident_window", "page_tokens")
 FLAGS = {"offload": "--kv-offload", "layout": "--kv-layout", "host_pool_gib": "--host-pool-gib",

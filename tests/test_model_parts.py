@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from conftest import full_forward, kv_for, random_tokens, selection_sets, tiny_model
-from hisparse.gpu_working_set.hisparse_kv import HiSparseKV
-from hisparse.model.batch import ForwardTrace, Segment
-from hisparse.model.config import ModelConfig, preset_params
+from hisparse.kv.hisparse_kv import HiSparseKV
+from hisparse.core.batch import ForwardTrace, Segment
+from hisparse.core.config import ModelConfig, preset_params
 from hisparse.model.ml4 import ML4
 from hisparse.model.moe import MoE, SwiGLU, route
 

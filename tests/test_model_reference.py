@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import full_forward, random_tokens, selection_sets, sharpen, tiny_model
-from hisparse.model.config import ModelConfig
+from hisparse.core.config import ModelConfig
 from hisparse.model.ml4 import ML4
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -12,7 +12,7 @@ from conftest import tiny_model
 from hisparse.engine.engine import Engine
 from hisparse.engine.request import Request, SamplingParams, Status
 from hisparse.engine.scheduler import SchedulerConfig
-from hisparse.model.kv import ResidentKV
+from hisparse.kv.resident import ResidentKV
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

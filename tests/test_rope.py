@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from hisparse.model.config import ModelConfig, preset_params
+from hisparse.core.config import ModelConfig, preset_params
 from hisparse.model.rope import apply_rope, rope_cos_sin, rope_frequencies, yarn_frequencies
 
 

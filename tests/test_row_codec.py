@@ -9,8 +9,8 @@ import torch
 from hisparse.host_pool import layout as layout_mod
 from hisparse.host_pool.kernels import gather_unpack as native
 from hisparse.host_pool.layout import LAYOUTS, RowLayout
-from hisparse.model.config import preset
-from hisparse.model.geometry import row_layout
+from hisparse.core.config import preset
+from hisparse.kv.geometry import row_layout
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C++ compiler for the row gather kernel")
 

@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from serving import free_port, running, wait_healthy
 
 from hisparse.engine.generate import greedy_generate
-from hisparse.model.kv import ResidentKV
+from hisparse.kv.resident import ResidentKV
 from hisparse.model.tiny import builtin_tiny
 from hisparse.model.tokenizer import load_tokenizer
 from hisparse.model.weights import load_model

@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from conftest import SEED, tiny_model
-from hisparse.dcp.context import DCPContext
-from hisparse.dcp.group import DCPGroup, backend_for
-from hisparse.dcp.kv import ShardedKV
-from hisparse.dcp.launch import launch
-from hisparse.model.kv import ResidentKV
+from hisparse.parallel.context import DCPContext
+from hisparse.parallel.group import DCPGroup, backend_for
+from hisparse.parallel.sharded_kv import ShardedKV
+from hisparse.parallel.launch import launch
+from hisparse.kv.resident import ResidentKV
 from hisparse.model.weights import load_model, save_model
 from hisparse.parallel.tp import shard_for
 from test_dcp import GREEDY, hisparse_kv, rel_error, scenario

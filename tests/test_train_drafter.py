@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from conftest import tiny_model
 from test_dspark_model import Recorder
-from hisparse.engine.kv_settings import KVSettings
+from hisparse.kv.settings import KVSettings
 from hisparse.engine.speculative import OracleProposer, SpeculativeConfig, SpeculativeDecoder, speculative_generate
 from hisparse.model.dspark import DSparkDrafter
 from hisparse.model.tokenizer import load_tokenizer

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import full_forward, random_tokens, selection_sets, tiny_model
-from hisparse.engine.kv_settings import KVSettings
-from hisparse.model.config import ModelConfig
+from hisparse.kv.settings import KVSettings
+from hisparse.core.config import ModelConfig
 from hisparse.model.tokenizer import load_tokenizer
 from hisparse.model.weights import load_model
 from hisparse.train.evaluate import passkey_accuracy

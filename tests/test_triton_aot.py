@@ -22,9 +22,9 @@ import torch
 
 from conftest import SUMMARY
 from hisparse.engine.generate import greedy_generate
-from hisparse.engine.kv_settings import KVSettings
-from hisparse.gpu_working_set.kernels import triton_support
-from hisparse.model.config import preset_params
+from hisparse.kv.settings import KVSettings
+from hisparse.core import triton_support
+from hisparse.core.config import preset_params
 from hisparse.model.tiny import random_model
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hisparse.gpu_working_set.kernels import triton_support
+from hisparse.core import triton_support
 
 pytestmark = pytest.mark.skipif(
     not (triton_support.available() and (torch.cuda.is_available() or triton_support.interpreted())),

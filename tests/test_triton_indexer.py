@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hisparse.gpu_working_set.kernels import triton_support
-from hisparse.model.indexer import index_scores, paged_topk, score_dtype
+from hisparse.core import triton_support
+from hisparse.kv.scoring import index_scores, paged_topk, score_dtype
 
 pytestmark = pytest.mark.skipif(
     not (triton_support.available() and (torch.cuda.is_available() or triton_support.interpreted())),
@@ -47,7 +47,7 @@ def paged_case(g: torch.Generator, dtype: torch.dtype, ties: bool):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("ties", [False, True])
 def test_scores_bit_identical_and_same_selection(dtype: torch.dtype, ties: bool, seed: int) -> None:
-    from hisparse.model.kernels.indexer_triton import paged_scores, paged_topk_triton
+    from hisparse.kv.kernels.indexer_triton import paged_scores, paged_topk_triton
     g = torch.Generator().manual_seed(seed)
     q, wr, keys, table, P, seg, n_visible, L = paged_case(g, dtype, ties)
     j = torch.arange(L)
@@ -70,8 +70,8 @@ def test_scores_bit_identical_and_same_selection(dtype: torch.dtype, ties: bool,
 def test_fp8_records_score_as_their_dequantised_keys(dtype: torch.dtype, seed: int) -> None:
     """Keys stored as the fp8 index cache's 132-B-style records, decoded in the kernel: the score bits of the
     dequantised keys (torch path), and paged_topk's selections; differs from the exact keys' scores."""
-    from hisparse.model.index_cache import dequantise, quantise
-    from hisparse.model.kernels.indexer_triton import paged_scores, paged_topk_triton
+    from hisparse.kv.index_cache import dequantise, quantise
+    from hisparse.kv.kernels.indexer_triton import paged_scores, paged_topk_triton
     g = torch.Generator().manual_seed(seed)
     q, wr, keys, table, P, seg, n_visible, L = paged_case(g, dtype, ties=True)
     keys = keys * torch.logspace(-3, 2, keys.shape[0], dtype=dtype)[:, None]     # scales across many powers of two
@@ -97,8 +97,8 @@ def test_fp8_records_score_as_their_dequantised_keys(dtype: torch.dtype, seed: i
 def test_radix_topk_is_select_topk(dtype: torch.dtype, L: int, k: int, seed: int) -> None:
     """The Triton radix select against the stable-sort top-k: random rows, rows of ties (equal scores, +0.0 and
     -0.0, rounded values), rows with few or no visible keys, L below, at and above the block and k."""
-    from hisparse.model.indexer import select_topk
-    from hisparse.model.kernels.topk_triton import topk_rows
+    from hisparse.kv.scoring import select_topk
+    from hisparse.kv.kernels.topk_triton import topk_rows
     g = torch.Generator().manual_seed(seed)
     s = torch.randn(7, L, generator=g, dtype=dtype) * 10 ** torch.randint(-3, 4, (7, 1), generator=g).to(dtype)
     s[0, ::3] = 0.5

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from hisparse.engine.generate import greedy_generate
-from hisparse.engine.kv_settings import KVSettings, KVSettingsError
-from hisparse.gpu_working_set.hisparse_kv import HiSparseKV
-from hisparse.gpu_working_set.kernels import triton_support
-from hisparse.model.kv import ResidentKV
+from hisparse.kv.settings import KVSettings, KVSettingsError
+from hisparse.kv.hisparse_kv import HiSparseKV
+from hisparse.core import triton_support
+from hisparse.kv.resident import ResidentKV
 from hisparse.model.tiny import random_model
-from hisparse.model.config import preset_params
+from hisparse.core.config import preset_params
 
 from lockstep import LockstepKV
 
@@ -103,7 +103,7 @@ def test_triton_decode_seam_makes_no_host_sync(model) -> None:
     """Every KV write and attention of a decode step of 3 requests on the Triton path (miss-path launch, sparse
     MLA, backups) under torch.cuda.set_sync_debug_mode('error'): no call waits for the device."""
     from hisparse.engine.generate import prefill
-    from hisparse.model.batch import Segment
+    from hisparse.core.batch import Segment
     cfg = model.cfg
     kv = HiSparseKV(cfg, "fp8_ds_mla", "cuda", host_pool_gib=0.002, hot_buffer_tokens=10, resident_window=6,
                     page_tokens=16, kernels="triton")

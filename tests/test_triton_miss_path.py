@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hisparse.gpu_working_set.kernels import triton_support
+from hisparse.core import triton_support
 from hisparse.gpu_working_set.resolver import EXTRA, HOT, NONE, HotSlots, resolve_torch
 from hisparse.host_pool.pages import paged_rows
 

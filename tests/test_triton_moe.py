@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from hisparse.gpu_working_set.kernels import triton_support
-from hisparse.model.batch import Segment
+from hisparse.core import triton_support
+from hisparse.core.batch import Segment
 from hisparse.model.kernels.moe_triton import BLOCK_M, align
-from hisparse.model.kv import ResidentKV
+from hisparse.kv.resident import ResidentKV
 from hisparse.model.linear import weight_quant
 from hisparse.model.moe import MoE, route
 

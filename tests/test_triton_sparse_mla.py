@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hisparse.gpu_working_set.kernels import triton_support
+from hisparse.core import triton_support
 from hisparse.host_pool.layout import RowLayout
-from hisparse.model.kv import sparse_mla
+from hisparse.kv.base import sparse_mla
 
 from lockstep import no_less_exact
 
@@ -38,7 +38,7 @@ def run(g, name, rank, rope, n, H, k, rows, *, nope=False, gain=False, extra_row
     the kernel (fp32 inside, bf16 out) and the torch path in bf16 against `sparse_mla` in fp64 on the same
     inputs; the kernel's largest error at most twice the torch path's (which also rounds logits, weights and rows
     to bf16), or twice the error of rounding the fp64 result to bf16, which no bf16 output can avoid."""
-    from hisparse.model.kernels.sparse_mla_triton import sparse_mla_rows
+    from hisparse.kv.kernels.sparse_mla_triton import sparse_mla_rows
     layout = RowLayout.create(name, rank, rope)
     r = lambda *s: torch.randn(*s, generator=g)   # noqa: E731
     store = layout.pack(r(rows, rank + rope) * 2)
@@ -83,7 +83,7 @@ def test_full_size_fp8_row(dtype: torch.dtype, seed: int) -> None:
 
 
 def test_non_contiguous_inputs(seed: int) -> None:
-    from hisparse.model.kernels.sparse_mla_triton import sparse_mla_rows
+    from hisparse.kv.kernels.sparse_mla_triton import sparse_mla_rows
     g = torch.Generator().manual_seed(seed)
     layout = RowLayout.create("fp8_ds_mla", 32, 16)
     store = layout.pack(torch.randn(24, 48, generator=g))
@@ -98,7 +98,7 @@ def test_non_contiguous_inputs(seed: int) -> None:
 
 def test_every_fp8_byte_decodes_exactly(seed: int) -> None:
     """Rows whose fp8 bytes run through every e4m3 value (subnormals, both zeros, the largest), unit scales."""
-    from hisparse.model.kernels.sparse_mla_triton import sparse_mla_rows
+    from hisparse.kv.kernels.sparse_mla_triton import sparse_mla_rows
     g = torch.Generator().manual_seed(seed)
     layout = RowLayout.create("fp8_ds_mla", 32, 16)
     store = layout.pack(torch.randn(8, 48, generator=g))

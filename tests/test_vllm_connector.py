@@ -26,10 +26,10 @@ from hisparse.connector.metric_names import COUNTERS, GAUGES, metric_name
 from hisparse.connector.settings import HiSparseConfigError
 from hisparse.connector.state import AdmissionState, StepPlan, WorkerState
 from hisparse.engine.generate import greedy_generate
-from hisparse.engine.kv_settings import KVSettings, KVSettingsError
-from hisparse.model.batch import ForwardTrace, Segment
-from hisparse.model.config import preset
-from hisparse.model.kv import KVStats
+from hisparse.kv.settings import KVSettings, KVSettingsError
+from hisparse.core.batch import ForwardTrace, Segment
+from hisparse.core.config import preset
+from hisparse.kv.base import KVStats
 from hisparse.model.tiny import make_tiny
 from hisparse.model.tokenizer import load_tokenizer
 from hisparse.model.weights import load_model
@@ -174,7 +174,7 @@ class Server:
         return json.loads(urllib.request.urlopen(req, timeout=300).read())["choices"][0]
 
     def metrics(self) -> dict[str, float]:
-        """The connector's stats keys (hisparse.model.kv.KVStats fields and gauges) -> value on /metrics."""
+        """The connector's stats keys (hisparse.kv.base.KVStats fields and gauges) -> value on /metrics."""
         text = urllib.request.urlopen(self.url + "/metrics", timeout=30).read().decode()
         values = {}
         for line in text.splitlines():

@@ -17,9 +17,9 @@ from hisparse.connector import footprint
 from hisparse.connector.footprint import device_footprint
 from hisparse.connector.state import WorkerState
 from hisparse.engine.generate import greedy_generate
-from hisparse.engine.kv_settings import KVSettings
-from hisparse.model.batch import Segment
-from hisparse.model.config import ModelConfig, preset
+from hisparse.kv.settings import KVSettings
+from hisparse.core.batch import Segment
+from hisparse.core.config import ModelConfig, preset
 from hisparse.model.tiny import make_tiny, random_model
 from hisparse.model.weights import load_model
 from test_vllm_connector import EXTRA, Server, ckpt, free_port, serve_cmd, serve_env, vllm_python  # noqa: F401

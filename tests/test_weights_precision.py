@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from conftest import full_forward, random_tokens
 from hisparse.model import linear
-from hisparse.model.config import ModelConfig
+from hisparse.core.config import ModelConfig
 from hisparse.model.linear import FP8, Linear, weight_quant
 from hisparse.model.ml4 import ML4
 from hisparse.model.tiny import make_tiny
@@ -129,7 +129,7 @@ def test_bfloat16_target_and_drafter_decode(fp8_ckpt: Path, seed: int) -> None:
     drafter's dtype, logits in fp32)."""
     from hisparse.engine.speculative import SpeculativeConfig, SpeculativeDecoder
     from hisparse.model.dspark import DSparkDrafter
-    from hisparse.model.kv import ResidentKV
+    from hisparse.kv.resident import ResidentKV
     model = load_model(fp8_ckpt, dtype=torch.bfloat16)
     dec = SpeculativeDecoder(model, ResidentKV(model.cfg, None, dtype=model.dtype), DSparkDrafter(model),
                              SpeculativeConfig("dspark", 3, "greedy"))

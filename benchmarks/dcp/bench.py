@@ -25,15 +25,15 @@ from pathlib import Path
 
 import torch
 
-from hisparse.dcp.context import DCPContext
-from hisparse.dcp.group import DCPGroup
-from hisparse.dcp.kv import ShardedKV
-from hisparse.dcp.launch import launch
+from hisparse.parallel.context import DCPContext
+from hisparse.parallel.group import DCPGroup
+from hisparse.parallel.sharded_kv import ShardedKV
+from hisparse.parallel.launch import launch
 from hisparse.engine.generate import prefill
-from hisparse.engine.kv_settings import KVSettings
-from hisparse.model.batch import Segment
-from hisparse.model.config import preset_params
-from hisparse.model.kv import LatentKV
+from hisparse.kv.settings import KVSettings
+from hisparse.core.batch import Segment
+from hisparse.core.config import preset_params
+from hisparse.kv.base import LatentKV
 from hisparse.model.tiny import random_model
 
 MIXES = {"short": (64, 4096), "long": (4096, 65536)}   # request lengths, uniform in [lo, hi]

@@ -35,9 +35,9 @@ import httpx
 import torch
 
 from benchmarks.hisparse_server import start_serve
-from hisparse.engine.kv_settings import KVSettings
+from hisparse.kv.settings import KVSettings
 from hisparse.engine.speculative import OracleProposer, Proposer, SpeculativeConfig, SpeculativeDecoder
-from hisparse.model.config import preset_params
+from hisparse.core.config import preset_params
 from hisparse.model.dspark import DSparkDrafter
 from hisparse.model.ml4 import ML4
 from hisparse.model.tiny import random_model

@@ -33,10 +33,10 @@ import torch
 
 from hisparse.engine.cuda_graphs import DecodeGraphs
 from hisparse.engine.engine import Engine
-from hisparse.engine.kv_settings import KVSettings
+from hisparse.kv.settings import KVSettings
 from hisparse.engine.request import SamplingParams
 from hisparse.engine.scheduler import SchedulerConfig
-from hisparse.model.config import preset_params
+from hisparse.core.config import preset_params
 from hisparse.model.tiny import random_model
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from hisparse.model.index_cache import dequantise, quantise
-from hisparse.model.kernels import indexer_topk
+from hisparse.kv.index_cache import dequantise, quantise
+from hisparse.kv.kernels import indexer_topk
 
 # (HI, dI, k, S, T): needle-ml4's indexer, and the full size's heads, dims and top-k at a shorter context
 CASES = ((4, 32, 64, 65536, 1024), (32, 128, 2048, 16384, 256))

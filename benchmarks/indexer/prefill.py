@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from hisparse.model.batch import Segment
-from hisparse.model.config import preset_params
-from hisparse.model.kv import ResidentKV
+from hisparse.core.batch import Segment
+from hisparse.core.config import preset_params
+from hisparse.kv.resident import ResidentKV
 from hisparse.model.tiny import random_model
 
 

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from hisparse.model.batch import ForwardTrace, Segment
-from hisparse.model.kv import ResidentKV
+from hisparse.core.batch import ForwardTrace, Segment
+from hisparse.kv.resident import ResidentKV
 
 from benchmarks.indexer.select import prompt_tokens, timed
 

@@ -27,9 +27,10 @@ from pathlib import Path
 
 import torch
 
-from hisparse.model.config import preset_params
-from hisparse.model.indexer import Indexer, index_scores, select_topk
-from hisparse.model.kernels import indexer_topk
+from hisparse.core.config import preset_params
+from hisparse.model.indexer import Indexer
+from hisparse.kv.scoring import index_scores, select_topk
+from hisparse.kv.kernels import indexer_topk
 from hisparse.model.ml4 import ML4
 from hisparse.model.tiny import random_model
 from hisparse.model.weights import load_model

@@ -34,13 +34,13 @@ import torch
 from tqdm import tqdm
 
 from hisparse.engine.engine import Engine
-from hisparse.engine.kv_settings import KVSettings, KVSettingsError
+from hisparse.kv.settings import KVSettings, KVSettingsError
 from hisparse.engine.request import SamplingParams
 from hisparse.engine.scheduler import SchedulerConfig
 from hisparse.host_pool.pool import GIB
-from hisparse.model.geometry import row_layout
-from hisparse.model.kernels import indexer_topk
-from hisparse.model.kv import KVStats
+from hisparse.kv.geometry import row_layout
+from hisparse.kv.kernels import indexer_topk
+from hisparse.kv.base import KVStats
 from hisparse.model.tiny import builtin_tiny
 from hisparse.model.weights import load_model
 

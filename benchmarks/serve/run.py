@@ -26,7 +26,7 @@ import torch
 from benchmarks.hisparse_server import start_serve
 from benchmarks.throughput.run import measure, per_token_bytes
 from hisparse.engine.engine import Engine
-from hisparse.engine.kv_settings import KVSettings
+from hisparse.kv.settings import KVSettings
 from hisparse.engine.request import SamplingParams
 from hisparse.engine.scheduler import SchedulerConfig
 from hisparse.model.tiny import builtin_tiny

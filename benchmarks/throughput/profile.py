@@ -31,10 +31,10 @@ from pathlib import Path
 import torch
 
 from hisparse.engine.engine import Engine
-from hisparse.engine.kv_settings import KVSettings
+from hisparse.kv.settings import KVSettings
 from hisparse.engine.request import SamplingParams
 from hisparse.engine.scheduler import SchedulerConfig
-from hisparse.model.config import preset_params
+from hisparse.core.config import preset_params
 from hisparse.model.tiny import random_model
 
 from .run import pyplot

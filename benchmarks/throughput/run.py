@@ -28,13 +28,13 @@ import torch
 
 from hisparse.engine.cuda_graphs import GRAPH_MODES, DecodeGraphs, graphs_wanted
 from hisparse.engine.engine import Engine
-from hisparse.engine.kv_settings import KVSettings
+from hisparse.kv.settings import KVSettings
 from hisparse.engine.request import SamplingParams
 from hisparse.engine.scheduler import SchedulerConfig
 from hisparse.host_pool.layout import index_row_bytes
-from hisparse.model.config import preset_params
-from hisparse.model.geometry import row_layout
-from hisparse.model.kv import ResidentKV
+from hisparse.core.config import preset_params
+from hisparse.kv.geometry import row_layout
+from hisparse.kv.resident import ResidentKV
 from hisparse.model.tiny import random_model
 
 

@@ -76,8 +76,8 @@ def serve_greedy(model: Path, dtype: str, prompts: list[list[int]], max_tokens: 
 def teacher_forced(model_dir: Path, prompts: list[list[int]], continuations: list[list[int]]) -> float:
     """Fraction of positions where the bf16 model's argmax, given the prompt and the continuation so far,
     is the continuation's next token."""
-    from hisparse.model.batch import Segment
-    from hisparse.model.kv import ResidentKV
+    from hisparse.core.batch import Segment
+    from hisparse.kv.resident import ResidentKV
     from hisparse.model.weights import load_model
     model = load_model(model_dir, dtype=torch.bfloat16, progress=False)
     same = total = 0
@@ -91,7 +91,7 @@ def teacher_forced(model_dir: Path, prompts: list[list[int]], continuations: lis
 
 
 def measure(model: Path, n_prompts: int, max_tokens: int, seed: int, workdir: Path) -> dict:
-    from hisparse.model.config import ModelConfig
+    from hisparse.core.config import ModelConfig
     vocab = ModelConfig.load(model).vocab_size
     g = torch.Generator().manual_seed(seed)
     lo = min(1000, vocab // 2)   # past the control tokens

@@ -28,7 +28,7 @@ def write_checkpoint(out: Path, experts: int, expert_hidden: int, block: int = 1
     import torch
     from safetensors.torch import save_file
 
-    from hisparse.model.config import ModelConfig, preset_params
+    from hisparse.core.config import ModelConfig, preset_params
     from hisparse.model.ml4 import ML4
     from hisparse.model.weights import NEVER_QUANTISED, QSCALE, checkpoint_dtype, to_checkpoint_name
 
@@ -63,9 +63,9 @@ PROBE = r"""
 import json, sys, torch
 torch.set_num_threads(1)
 from pathlib import Path
-from hisparse.model.batch import Segment
-from hisparse.model.config import ModelConfig
-from hisparse.model.kv import ResidentKV
+from hisparse.core.batch import Segment
+from hisparse.core.config import ModelConfig
+from hisparse.kv.resident import ResidentKV
 from hisparse.model.ml4 import ML4
 from hisparse.model.weights import load_model
 

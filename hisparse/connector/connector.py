@@ -25,8 +25,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
 
-from ..engine.kv_settings import KVSettings
-from ..model.config import ModelConfig
+from ..kv.settings import KVSettings
+from ..core.config import ModelConfig
 from .footprint import check_device_budget
 from .state import AdmissionState, StepPlan, WorkerState
 from .stats import HiSparseConnectorStats, HiSparsePromMetrics

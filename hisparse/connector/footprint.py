@@ -15,8 +15,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..engine.kv_settings import KVSettings
-from ..model.config import ModelConfig
+from ..kv.settings import KVSettings
+from ..core.config import ModelConfig
 from .settings import HiSparseConfigError
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from ..model.kv import KVStats
+from ..kv.base import KVStats
 
 COUNTERS = tuple(f.name for f in fields(KVStats))          # hits, misses, host_to_device_bytes, ...
 GAUGES = ("host_pool_usage", "host_pool_reserved_tokens", "host_pool_capacity_tokens", "host_pool_pages_used",

@@ -23,10 +23,10 @@ from vllm.forward_context import get_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import Attention
 
-from ..dcp.group import DCPGroup
-from ..engine.kv_settings import KVSettings
-from ..model.batch import ForwardTrace
-from ..model.config import ModelConfig
+from ..parallel.group import DCPGroup
+from ..kv.settings import KVSettings
+from ..core.batch import ForwardTrace
+from ..core.config import ModelConfig
 from ..model.ml4 import ML4
 from ..model.weights import load_model
 from ..parallel.tp import shard_for

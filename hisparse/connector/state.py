@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..engine.kv_settings import KVSettings
-from ..gpu_working_set.hisparse_kv import HiSparseKV
-from ..model.batch import Segment, segment_positions
-from ..model.config import ModelConfig
-from ..model.kv import KVStats
+from ..kv.settings import KVSettings
+from ..kv.hisparse_kv import HiSparseKV
+from ..core.batch import Segment, segment_positions
+from ..core.config import ModelConfig
+from ..kv.base import KVStats
 from .footprint import release_profile_hold
 from .settings import HiSparseConfigError
 

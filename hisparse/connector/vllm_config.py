@@ -24,8 +24,8 @@ from vllm.logger import init_logger
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 from vllm.transformers_utils.config import MistralConfigParser
 
-from ..engine.kv_settings import KVSettings
-from ..model.config import ModelConfig
+from ..kv.settings import KVSettings
+from ..core.config import ModelConfig
 from .settings import HiSparseConfigError
 
 ARCHITECTURE = "HiSparseML4ForCausalLM"

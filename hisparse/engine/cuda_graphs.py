@@ -27,8 +27,8 @@ from dataclasses import fields
 import torch
 
 from ..model.attention import AttentionBatch, Queries
-from ..model.batch import ForwardTrace, Segment, segment_positions
-from ..model.kv import LatentKV
+from ..core.batch import ForwardTrace, Segment, segment_positions
+from ..kv.base import LatentKV
 from ..model.ml4 import ML4
 
 log = logging.getLogger(__name__)

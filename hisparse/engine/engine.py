@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..dcp.group import DCPError
+from ..parallel.group import DCPError
 from ..model.dspark import DSparkDrafter
-from ..model.kv import KVStats, LatentKV
+from ..kv.base import KVStats, LatentKV
 from ..model.ml4 import ML4
 from .detokenizer import TextStream
 from .request import Request, RequestError, RequestOutput, SamplingParams, TokenLogprobs
@@ -37,7 +37,7 @@ from .spec_decode import Speculator
 from .speculative import Proposer, SpeculativeConfig
 
 if TYPE_CHECKING:
-    from ..dcp.replica import RankPool
+    from ..parallel.replica import RankPool
 
 log = logging.getLogger("hisparse.engine")
 

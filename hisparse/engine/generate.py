@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..model.batch import ForwardTrace, Segment
-from ..model.kv import LatentKV
+from ..core.batch import ForwardTrace, Segment
+from ..kv.base import LatentKV
 from ..model.ml4 import ML4
 
 

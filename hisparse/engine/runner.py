@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..dcp.group import DCPError
-from ..model.batch import ForwardTrace, Segment
-from ..model.kv import LatentKV
+from ..parallel.group import DCPError
+from ..core.batch import ForwardTrace, Segment
+from ..kv.base import LatentKV
 from ..model.ml4 import ML4
 from .cuda_graphs import DecodeGraphs
 from .request import Request

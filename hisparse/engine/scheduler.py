@@ -24,8 +24,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..model.batch import Segment
-from ..model.kv import LatentKV
+from ..core.batch import Segment
+from ..kv.base import LatentKV
 from .request import Request, RequestError, Status
 from .runner import ScheduledStep
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..model.kv import LatentKV
+from ..kv.base import LatentKV
 from .runner import ScheduledStep, SegmentOutput
 from .speculative import (Proposer, SpeculativeConfig, SpecStats, accept_greedy_batch, accept_rejection,
                           batch_draft_sampler, token_probs)

@@ -19,10 +19,10 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from ..model.batch import ForwardTrace, Segment
-from ..model.config import ModelConfig
+from ..core.batch import ForwardTrace, Segment
+from ..core.config import ModelConfig
 from ..model.dspark import DraftSampler
-from ..model.kv import LatentKV
+from ..kv.base import LatentKV
 from ..model.ml4 import ML4
 from .request import SamplingParams
 from .sampling import filter_top_k_top_p

@@ -11,8 +11,6 @@ table):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 

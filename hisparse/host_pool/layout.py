@@ -94,7 +94,7 @@ def index_row_bytes(index_head_dim: int) -> int:
 
 @dataclass(frozen=True)
 class Geometry:
-    """Per-token byte counts of a model under one layout (spec §4); `hisparse.model.geometry` builds it from a config."""
+    """Per-token byte counts of a model under one layout (spec §4); `hisparse.kv.geometry` builds it from a config."""
     row_bytes: int
     kv_owner_layers: int
     index_owner_layers: int

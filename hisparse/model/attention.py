@@ -2,7 +2,7 @@
 
 Every layer makes one call per seam operation for the whole batch (write rows, write keys, select, attend);
 no loop over requests. Where the rows live (resident, host pool + working set, DCP shards) is the LatentKV's
-business: decode context parallelism is a LatentKV (`hisparse.dcp.kv.ShardedKV`) like any other.
+business: decode context parallelism is a LatentKV (`hisparse.parallel.sharded_kv.ShardedKV`) like any other.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .batch import ForwardTrace
-from .config import LayerSpec, ModelConfig
+from ..core.batch import ForwardTrace
+from ..core.config import LayerSpec, ModelConfig
 from .indexer import Indexer, ssmax_gain
-from .kv import LatentKV
+from ..kv.base import LatentKV
 from .linear import Linear
 from .norm import RMSNorm
 from .rope import LeRoPE, apply_rope, rope_cos_sin, rope_frequencies

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kv import sparse_mla
-from .config import ConfigError, ModelConfig
+from ..kv.base import sparse_mla
+from ..core.config import ConfigError, ModelConfig
 from .indexer import ssmax_gain
 from .linear import Linear
 from .moe import SwiGLU

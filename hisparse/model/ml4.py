@@ -6,10 +6,10 @@ import torch
 from torch import nn
 
 from .attention import MLA, AttentionBatch, Queries
-from .batch import ForwardTrace, Segment, segment_positions
-from .config import LayerSpec, ModelConfig
+from ..core.batch import ForwardTrace, Segment, segment_positions
+from ..core.config import LayerSpec, ModelConfig
 from .dspark import DSpark
-from .kv import LatentKV
+from ..kv.base import LatentKV
 from .linear import Linear
 from .moe import MoE, SwiGLU
 from .norm import RMSNorm

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..gpu_working_set.kernels import triton_support
-from .config import ModelConfig
+from ..core import triton_support
+from ..core.config import ModelConfig
 from .linear import Linear
 
 if TYPE_CHECKING:

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from .config import ModelConfig
+from ..core.config import ModelConfig
 
 
 def yarn_frequencies(cfg: ModelConfig) -> torch.Tensor:

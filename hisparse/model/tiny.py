@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from .config import ModelConfig, preset_params
+from ..core.config import ModelConfig, preset_params
 from .ml4 import ML4
 from .weights import checkpoint_dtype, save_model, to_checkpoint_name
 

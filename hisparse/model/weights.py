@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from torch import nn
 from tqdm import tqdm
 
-from .config import ModelConfig
+from ..core.config import ModelConfig
 from .linear import FP8, Linear, weight_quant
 from .ml4 import ML4
 
@@ -204,7 +204,7 @@ def save_model(model: ML4, model_dir: str | Path, fp8_block: tuple[int, int] | N
     cfg = model.cfg
     if fp8_block is not None:
         from dataclasses import replace
-        from .config import QuantConfig
+        from ..core.config import QuantConfig
         cfg = replace(cfg, quantization=QuantConfig("fp8_e4m3", "BLOCK", tuple(fp8_block), "NO_SCALES"),
                       layers=cfg.layers)
     cfg.save(model_dir)

@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..dcp.group import DCPGroup
+from .group import DCPGroup
 from ..model.attention import MLA
-from ..model.config import ModelConfig
+from ..core.config import ModelConfig
 from ..model.linear import Linear
 from ..model.ml4 import ML4
 from ..model.moe import MoE, SwiGLU

@@ -1,6 +1,6 @@
 """`hisparse serve`: load a checkpoint, build the KV store and the engine, print the capacity, run uvicorn.
 
-With -tp T > 1 or -dcp D > 1 this process is rank 0 of a parallel group (hisparse.dcp.serve starts the
+With -tp T > 1 or -dcp D > 1 this process is rank 0 of a parallel group (hisparse.parallel.serve starts the
 followers); if the group breaks, every request in flight fails, /health answers 503, the server shuts down, the
 followers are killed and `serve` exits non-zero naming the failed rank."""
 
@@ -19,20 +19,20 @@ from types import FrameType
 import torch
 import uvicorn
 
-from ..dcp.group import DCPError, DCPGroup
-from ..dcp.replica import own_store
-from ..dcp.leader import DCPEngine
-from ..dcp.serve import (DCPStartError, FollowerRanks, ParallelConfig, join_rank, load_rank, rank_lines,
-                         run_follower)
+from ..parallel.group import DCPError, DCPGroup
+from ..parallel.replica import own_store
+from ..parallel.leader import DCPEngine
+from ..parallel.serve import (DCPStartError, FollowerRanks, ParallelConfig, join_rank, load_rank, rank_lines,
+                              run_follower)
 from ..engine.cuda_graphs import DecodeGraphs, GraphSettingError, capture_graphs, graphs_wanted
 from ..engine.engine import Engine
 from ..parallel.tp import check_splits
-from ..engine.kv_settings import KVSettings
+from ..kv.settings import KVSettings
 from ..engine.scheduler import SchedulerConfig
 from ..engine.speculative import SpeculativeConfig
-from ..model.config import ModelConfig
+from ..core.config import ModelConfig
 from ..model.dspark import DraftWindowCache
-from ..model.kv import LatentKV
+from ..kv.base import LatentKV
 from ..model.ml4 import ML4
 from ..model.tokenizer import load_tokenizer
 from ..model.weights import load_model

@@ -34,9 +34,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ..engine.kv_settings import KVSettings
-from ..model.batch import ForwardTrace, Segment
-from ..model.config import ModelConfig
+from ..kv.settings import KVSettings
+from ..core.batch import ForwardTrace, Segment
+from ..core.config import ModelConfig
 from ..model.dspark import DSpark
 from ..model.ml4 import ML4
 from ..model.tokenizer import load_tokenizer

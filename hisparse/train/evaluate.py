@@ -11,8 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..engine.generate import greedy_generate
-from ..model.batch import ForwardTrace
-from ..model.kv import LatentKV
+from ..core.batch import ForwardTrace
+from ..kv.base import LatentKV
 from ..model.ml4 import ML4
 from .passkey import sample_prompt
 

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..model.indexer import select_topk, ssmax_gain
+from ..kv.scoring import select_topk
+from ..model.indexer import ssmax_gain
 from ..model.ml4 import ML4, Block
 from ..model.rope import apply_rope
 

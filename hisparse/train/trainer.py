@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ..engine.kv_settings import KVSettings, KVSettingsError
-from ..model.config import ModelConfig
-from ..native import cpu_id
+from ..kv.settings import KVSettings, KVSettingsError
+from ..core.config import ModelConfig
+from ..core.native import cpu_id
 from ..model.ml4 import ML4
 from ..model.tokenizer import load_tokenizer, write_tekken
 from ..model.weights import load_model, save_model

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_support import launch, next_pow2, require
+from ...core.triton_support import launch, next_pow2, require
 
 
 @triton.jit

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from .. import resolver
 from ..resolver import EXTRA, KEY_SPAN, NO_KEY, NONE, HotSlots
-from .triton_support import launch, next_pow2, require
+from ...core.triton_support import launch, next_pow2, require
 
 SLOT_BITS = 20      # a hot slot id packed under a position or a stamp: n_slots < 2^20
 # the kernel's constants (Triton reads module globals only as constexpr)

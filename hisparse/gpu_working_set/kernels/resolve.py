@@ -1,5 +1,5 @@
 """The fused CPU resolver (resolve.cpp): `resolver.resolve` in one native pass instead of ~45 small torch ops,
-built with the system C++ compiler on first use (hisparse.native). Without a compiler `library()`
+built with the system C++ compiler on first use (hisparse.core.native). Without a compiler `library()`
 is None and `resolver.resolve` runs its torch code, which gives the same plans.
 """
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ...native import load
+from ...core.native import load
 
 SOURCE = Path(__file__).with_name("resolve.cpp")
 FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]

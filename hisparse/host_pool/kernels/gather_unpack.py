@@ -1,6 +1,6 @@
 """The fused CPU row read (gather_unpack.cpp): `RowLayout.unpack(torch.index_select(store, 0, idx))` in one native
 pass, without the packed copy and torch's slow fp8 -> fp32 conversion, built with the system C++ compiler on
-first use (hisparse.native). Without a compiler `library()` is None and `RowLayout.gather_unpack`
+first use (hisparse.core.native). Without a compiler `library()` is None and `RowLayout.gather_unpack`
 runs the torch code, which gives the same rows bit for bit.
 """
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ...native import load
+from ...core.native import load
 
 SOURCE = Path(__file__).with_name("gather_unpack.cpp")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC"]

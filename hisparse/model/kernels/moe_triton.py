@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ...gpu_working_set.kernels.triton_support import launch, require
-from .sparse_mla_triton import _e4m3_to_f32
+from ...core.triton_support import launch, require
+from ...kv.kernels.sparse_mla_triton import e4m3_to_f32
 
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 32, 32
 
@@ -56,7 +56,7 @@ def _load_w(w_ptr, s_ptr, e, n, kk, OUT, IN, NB1, nm, km, FP8: tl.constexpr, B0:
     if FP8:
         nb0 = (OUT + B0 - 1) // B0
         s = tl.load(s_ptr + (e.to(tl.int64) * nb0 + n[:, None] // B0) * NB1 + kk[None, :] // B1, mask=m, other=0.0)
-        w = _e4m3_to_f32(raw.to(tl.int32) & 0xFF) * s
+        w = e4m3_to_f32(raw.to(tl.int32) & 0xFF) * s
     else:
         w = raw.to(tl.float32)
     return w

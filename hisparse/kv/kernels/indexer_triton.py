@@ -8,7 +8,7 @@ One program per (query row, block of key positions); keys are read through the p
 gather. Scores are in `indexer.score_dtype` of the queries' dtype (fp32 for fp32, bf16 and fp16 queries, fp64 for
 fp64): queries, head weights and keys are converted to it as they are loaded (exact), and every product and sum
 is taken in it. Keys past a row's visible count score -inf. Keys are plain [rows, dI] (the store's dtype), or the
-fp8 index cache's records [rows, dI + 4] uint8 (`model.index_cache`), decoded in the kernel: e4m3 times the
+fp8 index cache's records [rows, dI + 4] uint8 (`kv.index_cache`), decoded in the kernel: e4m3 times the
 record's power-of-two scale, exact, so the scores are those of the dequantised keys.
 """
 
@@ -18,9 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ...gpu_working_set.kernels.triton_support import launch, require
-from ..indexer import score_dtype
-from .sparse_mla_triton import _e4m3_to_f32
+from ...core.triton_support import launch, require
+from ..scoring import score_dtype
+from .sparse_mla_triton import e4m3_to_f32
 from .topk_triton import topk_rows
 
 _NEG_INF = tl.constexpr(float("-inf"))
@@ -49,10 +49,10 @@ def _index_scores_kernel(
     for h in range(HI):
         qh = q_ptr + t * q_s0 + h * q_s1
         if FP8:   # e4m3 x a power of two: exact in fp32 and fp64
-            k = (_e4m3_to_f32(tl.load(key, mask=visible, other=0).to(tl.int32)) * scale).to(sdt)
+            k = (e4m3_to_f32(tl.load(key, mask=visible, other=0).to(tl.int32)) * scale).to(sdt)
             dot = tl.load(qh).to(sdt) * k
             for d in range(1, DI):
-                k = (_e4m3_to_f32(tl.load(key + d, mask=visible, other=0).to(tl.int32)) * scale).to(sdt)
+                k = (e4m3_to_f32(tl.load(key + d, mask=visible, other=0).to(tl.int32)) * scale).to(sdt)
                 dot = dot + tl.load(qh + d).to(sdt) * k
         else:
             dot = tl.load(qh).to(sdt) * tl.load(key, mask=visible, other=0.0).to(sdt)

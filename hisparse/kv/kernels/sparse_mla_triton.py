@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...gpu_working_set.kernels.triton_support import launch, next_pow2, require
+from ...core.triton_support import launch, next_pow2, require
 from ...host_pool.layout import RowLayout
 
 _FP8 = tl.constexpr(0)
@@ -28,7 +28,7 @@ _NEG_INF = tl.constexpr(float("-inf"))
 
 
 @triton.jit
-def _e4m3_to_f32(b):
+def e4m3_to_f32(b):
     """fp8 e4m3fn byte (int32 0..255) -> its exact fp32 value (no inf; S.1111.111 is NaN)."""
     sign = (b & 0x80) << 24
     exp = (b >> 3) & 0xF
@@ -57,7 +57,7 @@ def _load_rows(u8, f32, i16, valid, col, rope_col,
     if LAYOUT == _FP8:
         byte = tl.load(u8[:, None] + col[None, :], mask=cm, other=0).to(tl.int32)
         sc = tl.load(f32[:, None] + R // 4 + col[None, :] // TILE, mask=cm, other=0.0)
-        c = _e4m3_to_f32(byte) * sc
+        c = e4m3_to_f32(byte) * sc
         rope_at = (R + 4 * (R // TILE)) // 2
         rope = _bf16_to_f32(tl.load(i16[:, None] + rope_at + rope_col[None, :], mask=rm, other=0))
     else:

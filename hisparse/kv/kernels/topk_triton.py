@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...gpu_working_set.kernels.triton_support import launch, require
+from ...core.triton_support import launch, require
 
 BLOCK = 128
 _NEG_INF = tl.constexpr(float("-inf"))

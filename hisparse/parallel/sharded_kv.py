@@ -18,9 +18,9 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from ..model.batch import Segment
+from ..core.batch import Segment
 from ..model.indexer import Indexer
-from ..model.kv import LatentKV, RowSource
+from ..kv.base import LatentKV, RowSource
 from .context import DCPContext
 
 

@@ -3,7 +3,7 @@ a dead or hung peer raises instead of blocking forever.
 
 The backend follows the device the ranks compute on (`--device`): NCCL for cuda, gloo otherwise, whatever the
 machine has; every tensor handed to a collective must live on that device (checked, so a CPU tensor cannot reach
-NCCL). Ranks are started by `hisparse.dcp.launch` (spawned processes) or by torchrun
+NCCL). Ranks are started by `hisparse.parallel.launch` (spawned processes) or by torchrun
 (`DCPGroup.from_env`). Every rank runs the same batch, so every rank issues the same collectives in the same order.
 With gloo a collective whose peer died fails at once (connection closed) and one whose peer hangs fails after
 `timeout_s`; with NCCL the watchdog tears the process down after `timeout_s`, which the launcher reports.

@@ -18,12 +18,12 @@ from ..engine.request import Request, TokenLogprobs
 from ..engine.runner import ModelRunner, ScheduledStep, SegmentOutput, StepResult
 from ..engine.spec_decode import Speculator
 from ..engine.speculative import Proposer, SpeculativeConfig
-from ..model.kv import LatentKV
+from ..kv.base import LatentKV
 from ..model.ml4 import ML4
 from .group import DCPError, DCPGroup
 from .replica import Op, RankInfo, RankPool, ReplayStep, StepMessage, gather_pools, gather_ranks
 
-log = logging.getLogger("hisparse.dcp")
+log = logging.getLogger("hisparse.parallel")
 
 
 class Leader:

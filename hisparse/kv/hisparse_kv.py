@@ -21,16 +21,16 @@ import torch
 
 from ..host_pool.pages import paged_rows
 from ..host_pool.pool import HostPool
-from ..model.config import ModelConfig
-from ..model.batch import segment_positions
-from ..model.geometry import row_layout
-from ..model.kv import LatentKV, RowSource
-from .arena import DeviceArena
-from .copier import Copier
-from .resolver import EXTRA, HotSlots, Plan, resolve
+from ..core.config import ModelConfig
+from ..core.batch import segment_positions
+from .geometry import row_layout
+from .base import LatentKV, RowSource
+from ..gpu_working_set.arena import DeviceArena
+from ..gpu_working_set.copier import Copier
+from ..gpu_working_set.resolver import EXTRA, HotSlots, Plan, resolve
 
 if TYPE_CHECKING:
-    from .kernels.miss_path_triton import MissPath
+    from ..gpu_working_set.kernels.miss_path_triton import MissPath
 
 DEFAULT_WINDOW = 64
 DEFAULT_SINKS = 4
@@ -142,7 +142,7 @@ class HiSparseKV(LatentKV):
         a = self.arena
         a.data[a.step_base[layer]: a.step_base[layer] + data.shape[0]] = data
         if self.kernels == "triton":      # straight into the pool, ordered before the next step's miss path
-            from .kernels.backup_triton import backup
+            from ..gpu_working_set.kernels.backup_triton import backup
             backup(data, self.pool.rows, self.step_pool_rows + self.pool.layer_offset(layer))
         else:
             view = self.pool.layer_view(layer)
@@ -203,7 +203,7 @@ class HiSparseKV(LatentKV):
         return self.arena.data, out.rows_of(seg, sel, self.arena.kind_base[layer], self.arena.data.shape[0]), extra
 
     def run_miss_path(self, group: int, seg: torch.Tensor, sel: torch.Tensor) -> None:
-        from .kernels.miss_path_triton import miss_path   # imports triton: only on the Triton path
+        from ..gpu_working_set.kernels.miss_path_triton import miss_path   # imports triton: only on the Triton path
         a, members = self.arena, self.members[group]
         out = miss_path(self.hot[group], self.step_slot, self.tables.start, self.step_row0, self.win_lo,
                         self.win_len, self.sinks, self.window, seg, sel, self.step, self.tables.pages,

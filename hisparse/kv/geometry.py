@@ -6,7 +6,7 @@ The host pool knows bytes and layers, not models; this is the one place that rea
 from __future__ import annotations
 
 from ..host_pool.layout import Geometry, RowLayout, index_row_bytes
-from .config import ModelConfig
+from ..core.config import ModelConfig
 
 
 def row_layout(cfg: ModelConfig, name: str) -> RowLayout:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..model.indexer import select_topk
+from ..kv.scoring import select_topk
 from .group import DCPGroup
 from .sharding import Sharding
 

@@ -25,19 +25,19 @@ from pathlib import Path
 import torch
 
 from ..engine.cuda_graphs import capture_graphs
-from ..engine.kv_settings import KVSettings
+from ..kv.settings import KVSettings
 from ..engine.runner import ModelRunner
 from ..engine.spec_decode import Speculator
 from ..engine.speculative import SpeculativeConfig
 from ..model.dspark import DSparkDrafter
-from ..model.kv import LatentKV
+from ..kv.base import LatentKV
 from ..model.ml4 import ML4
 from ..model.weights import load_model
-from ..parallel.tp import TensorParallel
+from .tp import TensorParallel
 from .context import DCPContext
 from .follower import Follower
 from .group import DEFAULT_TIMEOUT_S, DCPGroup
-from .kv import ShardedKV
+from .sharded_kv import ShardedKV
 from .launch import die_with_parent, failure_report, rank_failure, store_url
 from .replica import RankInfo, RankPool, gather_pools, gather_ranks
 

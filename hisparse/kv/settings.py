@@ -16,12 +16,13 @@ from typing import Any
 
 import torch
 
-from ..gpu_working_set.hisparse_kv import DEFAULT_SINKS, DEFAULT_WINDOW, HiSparseKV
-from ..gpu_working_set.kernels import triton_support
+from .hisparse_kv import DEFAULT_SINKS, DEFAULT_WINDOW, HiSparseKV
+from ..core import triton_support
 from ..host_pool.layout import LAYOUTS
-from ..model.config import ModelConfig
-from ..model.index_cache import INDEX_CACHES
-from ..model.kv import LatentKV, ResidentKV
+from ..core.config import ModelConfig
+from .index_cache import INDEX_CACHES
+from .base import LatentKV
+from .resident import ResidentKV
 
 OFFLOADS = ("hisparse", "none")
 KERNELS = ("auto", "triton", "torch")

@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from ..engine.runner import ScheduledStep
-from ..model.kv import KVStats, LatentKV
+from ..kv.base import KVStats, LatentKV
 from .group import DCPGroup
-from .kv import ShardedKV
+from .sharded_kv import ShardedKV
 
 # ("release", req_id)                 the request finished: free its KV and draft window
 # ("rollback", req_id, length)         rejected drafts: forget positions >= length in the KV and draft window

@@ -5,7 +5,7 @@ builds in ~2 s (a torch extension compiles the torch headers for ~1 min and need
 with -march=native and cached per user in $HISPARSE_CACHE/kernels (default ~/.cache/hisparse), under a name
 that hashes the source, flags, compiler and CPU. Without a working compiler `available()` is False and callers
 use the torch path, which gives bit-identical selections. Keys are plain (q's dtype) or the fp8 index cache's
-records [rows, dI + 4] uint8 (`model.index_cache`), decoded by the kernel as it gathers them.
+records [rows, dI + 4] uint8 (`kv.index_cache`), decoded by the kernel as it gathers them.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ...native import load
+from ...core.native import load
 
 SOURCE = Path(__file__).with_name("indexer_topk.cpp")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC"]
