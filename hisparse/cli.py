@@ -114,8 +114,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         prompt = tok.encode(args.prompt, bos=True, eos=False)
     if not prompt:
         raise SystemExit("prompt: empty")
-    kv = settings.build(model.cfg, args.device, model.dtype)
-    model.use_kernels(settings.kernel_path(args.device))
+    kv = settings.attach(model)
     gen = greedy_generate(model, kv, prompt, args.max_tokens, chunk=args.chunk)
     if tok is None and (ckpt / "tekken.json").exists():
         from .model.tokenizer import load_tokenizer
@@ -144,7 +143,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     settings = kv_settings(args)
     ckpt = model_dir(args.model, tokenizer=True, builtin_note=True)
     from .server.serve import serve     # imported after the check: a bad --model fails at once
-    serve(args, ckpt, compute_dtype(args), settings)
+    from .server.serve_config import ServeConfig
+    serve(ServeConfig.from_args(args, ckpt, compute_dtype(args), settings))
 
 
 def cmd_train_needle(args: argparse.Namespace) -> None:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from conftest import SEED, tiny_model
 from hisparse.parallel.context import DCPContext
-from hisparse.parallel.group import DCPError, DCPGroup
+from hisparse.parallel.group import GroupError, RankGroup
 from hisparse.parallel.sharded_kv import ShardedKV
 from hisparse.parallel.launch import DCPLaunchError, launch
 from hisparse.parallel.sharding import Sharding
@@ -99,7 +99,7 @@ def run_all(models: dict, wrap, seed: int) -> dict:
     return {name: scenario(m, wrap(kvs[name]), seed, 0 if name == "fp32" else GREEDY) for name, m in models.items()}
 
 
-def rank_main(group: DCPGroup, seed: int) -> dict:
+def rank_main(group: RankGroup, seed: int) -> dict:
     """Every rank: for R = 1..4, ranks < R form a DCP group and run the scenarios with I = 1 and 2."""
     ms = models(seed)
     results = {}
@@ -107,7 +107,7 @@ def rank_main(group: DCPGroup, seed: int) -> dict:
         pg = dist.new_group(list(range(size)), timeout=dist.default_pg_timeout)   # every rank must call it
         if group.rank < size:
             for interleave in INTERLEAVES:
-                dcp = DCPContext(DCPGroup(pg, group.timeout_s), interleave)
+                dcp = DCPContext(RankGroup(pg, group.timeout_s), interleave)
                 results[(size, interleave)] = run_all(ms, lambda kv: ShardedKV(kv, dcp), seed)
                 results[(size, interleave)]["capacity"] = fill_to_capacity(ms["fp64"], dcp)
     return results
@@ -197,7 +197,7 @@ def test_dcp_matches_single_rank(dcp_runs, size: int, interleave: int):
     assert ref["pages"] == 14 + 6
 
 
-def failing_rank(group: DCPGroup, seed: int, mode: str) -> None:
+def failing_rank(group: RankGroup, seed: int, mode: str) -> None:
     """One warm-up forward on 2 ranks; then rank 1 dies (SIGKILL) or hangs while rank 0 runs another one."""
     model = tiny_model(seed)
     kv = ShardedKV(hisparse_kv(model), DCPContext(group, 1))
@@ -224,7 +224,7 @@ def test_dead_or_hung_rank_fails_cleanly(mode: str):
     elapsed = time.monotonic() - t0
     errors = info.value.errors
     print(f"{mode}: failed after {elapsed:.1f} s: {str(info.value).splitlines()[0]}")
-    assert DCPError.__name__ in errors[0] and "all_gather for layer 0 indexer top-k failed" in errors[0]
+    assert GroupError.__name__ in errors[0] and "all_gather for layer 0 indexer top-k failed" in errors[0]
     assert "peer rank died" in str(info.value)
     if mode == "kill":
         assert "killed by signal SIGKILL" in errors[1]
@@ -259,7 +259,7 @@ def test_sharding_math():
         Sharding(2, 1, 2)
 
 
-def triton_rank(group: DCPGroup, seed: int) -> dict:
+def triton_rank(group: RankGroup, seed: int) -> dict:
     """A 60-token prefill on this rank's shard (Triton store), then Sel(t) of random decode-style queries for every
     indexer layer with the store's Triton scorer and with its torch scorer, over the same stored keys."""
     model = tiny_model(seed, torch.float32, sharp=False)

@@ -30,11 +30,12 @@ from serving import free_port, running, wait_healthy
 from test_server import KEY, MAX_MODEL_LEN, Server
 
 from hisparse.parallel.context import DCPContext
-from hisparse.parallel.group import DCPGroup
+from hisparse.parallel.group import RankGroup
 from hisparse.parallel.sharded_kv import ShardedKV
 from hisparse.parallel.launch import launch as launch_ranks
-from hisparse.parallel.leader import DCPEngine
+from hisparse.parallel.leader import Leader
 from hisparse.parallel.serve import run_follower
+from hisparse.engine.engine import Engine
 from hisparse.engine.generate import greedy_generate
 from hisparse.kv.settings import KVSettings
 from hisparse.engine.request import SamplingParams
@@ -289,7 +290,7 @@ def test_follower_failing_at_startup_ends_serve(tmp_path: Path) -> None:
     assert_all_gone({proc.pid, *kids})
 
 
-def window_rank(group: DCPGroup, seed: int) -> dict:
+def window_rank(group: RankGroup, seed: int) -> dict:
     """Every rank: the engine path with DSpark (rank 0 schedules, drafts and samples; rank 1 replays); after 12
     steps, with requests still in flight, the ranks' draft windows and rank 0's acceptance counts."""
     model = load_model(builtin_tiny())
@@ -298,9 +299,11 @@ def window_rank(group: DCPGroup, seed: int) -> dict:
     if group.rank > 0:
         cache = run_follower(group, model, ShardedKV(kv, DCPContext(group, 1)), spec).speculator.proposer.cache
         return {"rows": cache.rows, "pos": cache.pos}
-    engine = DCPEngine(model, ShardedKV(kv, DCPContext(group, 1)), group,
-                       SchedulerConfig(max_model_len=512, max_num_seqs=4, max_num_batched_tokens=64), speculative=spec)
-    engine.start_up(model)                       # the start-up exchanges run_follower expects
+    sharded = ShardedKV(kv, DCPContext(group, 1))
+    leader = Leader(group, sharded)
+    engine = Engine(model, sharded, SchedulerConfig(max_model_len=512, max_num_seqs=4, max_num_batched_tokens=64),
+                    speculative=spec, hooks=leader)
+    leader.start_up(model)                       # the start-up exchanges run_follower expects
     for p in prompts(seed):
         engine.add_request(p, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
     for _ in range(12):

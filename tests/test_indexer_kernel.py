@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import full_forward, random_tokens, tiny_model
-from hisparse.model import indexer as indexer_module
+from hisparse.kv import scoring as indexer_module
 from hisparse.core.batch import ForwardTrace, Segment
 from hisparse.kv.scoring import index_scores, paged_topk, score_dtype, select_topk
 from hisparse.kv.kernels.indexer_topk import Build, fused_topk, fused_topk_paged

@@ -18,7 +18,7 @@ import torch
 
 from conftest import SEED, tiny_model
 from hisparse.parallel.context import DCPContext
-from hisparse.parallel.group import DCPGroup, backend_for
+from hisparse.parallel.group import RankGroup, backend_for
 from hisparse.parallel.sharded_kv import ShardedKV
 from hisparse.parallel.launch import launch
 from hisparse.kv.resident import ResidentKV
@@ -47,7 +47,7 @@ def run(ckpts: dict[str, Path], shard, wrap, seed: int) -> dict:
     return out
 
 
-def rank_main(group: DCPGroup, ckpts: dict[str, Path], seed: int) -> dict:
+def rank_main(group: RankGroup, ckpts: dict[str, Path], seed: int) -> dict:
     results = {}
     for tp, dcp in CONFIGS:
         if group.rank >= tp:
@@ -92,9 +92,9 @@ def test_tp_matches_single_rank(tp_runs, tp: int, dcp: int):
         assert mine["fp64"]["misses"] > 0
 
 
-def wrong_device(group: DCPGroup) -> str:
+def wrong_device(group: RankGroup) -> str:
     """A group whose collectives run on another device than the tensor handed to it refuses the tensor."""
-    other = DCPGroup(group.pg, group.timeout_s, "meta")
+    other = RankGroup(group.pg, group.timeout_s, "meta")
     with pytest.raises(ValueError, match=r"all_reduce for a test tensor: tensor on cpu, the group's collectives run "
                                          r"on meta"):
         other.all_reduce(torch.ones(2), "a test tensor")

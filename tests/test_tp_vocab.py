@@ -29,7 +29,7 @@ class Meeting:
 
 
 class ThreadGroup:
-    """One rank of a Meeting, with DCPGroup's collectives (every rank gets the same bits)."""
+    """One rank of a Meeting, with RankGroup's collectives (every rank gets the same bits)."""
 
     def __init__(self, rank: int, meeting: Meeting):
         self.rank, self.size, self.meeting = rank, len(meeting.slots), meeting

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from hisparse.parallel.context import DCPContext
-from hisparse.parallel.group import DCPGroup
+from hisparse.parallel.group import RankGroup
 from hisparse.parallel.sharded_kv import ShardedKV
 from hisparse.parallel.launch import launch
 from hisparse.engine.generate import prefill
@@ -80,7 +80,7 @@ def decode_steps(model, kv: LatentKV, context: int, steps: int) -> dict:
             "misses": kv.stats.misses, "hits": kv.stats.hits}
 
 
-def rank_main(group: DCPGroup, args: dict) -> dict:
+def rank_main(group: RankGroup, args: dict) -> dict:
     model = random_model(preset_params("small"), seed=0)
 
     def store() -> LatentKV:

@@ -68,8 +68,7 @@ def decode_trace(kernels: str, device: str, prompt_len: int, steps: int, trace: 
     """HiSparse decode steps of 4 requests under torch.profiler; the trace's JSON at `trace`, the bytes copied."""
     model = random_model(preset_params("small"), 0).to(device)
     settings = KVSettings(host_pool_gib=4.0, hot_buffer_tokens=256, resident_window=64, kernels=kernels)
-    kv = settings.build(model.cfg, device)
-    model.use_kernels(settings.kernel_path(device))
+    kv = settings.attach(model)
     eng = Engine(model, kv, SchedulerConfig(max_model_len=prompt_len + 64, max_num_seqs=4,
                                             max_num_batched_tokens=1024))
     g = torch.Generator().manual_seed(0)
@@ -99,14 +98,15 @@ def graph_steps(device: str, quick: bool) -> dict:
     model = random_model(preset_params(preset), 0).to(device)
     settings = KVSettings(host_pool_gib=4.0, hot_buffer_tokens=256, resident_window=64,
                           kernels="triton" if cuda else "torch")
-    model.use_kernels(settings.kernel_path(device))
+    kv = settings.attach(model)      # sets the model's kernel path before the graphs capture it
     graphs = DecodeGraphs(model, 16, capture=cuda)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, model.cfg.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(16)]
     out: dict = {}
     for batch in (1, 16):
         for name, decode in (("graphs", graphs), ("eager", None)):
-            eng = Engine(model, settings.build(model.cfg, device), graphs=decode,
+            kv = settings.attach(model) if kv is None else kv    # a fresh store for every run
+            eng = Engine(model, kv, graphs=decode,
                          cfg=SchedulerConfig(max_model_len=prompt_len + 64, max_num_seqs=batch,
                                              max_num_batched_tokens=4096))
             for p in prompts[:batch]:
@@ -122,6 +122,7 @@ def graph_steps(device: str, quick: bool) -> dict:
             if cuda:
                 torch.cuda.synchronize()
             out[f"{name}_ms_batch{batch}"] = (time.perf_counter() - t0) / steps * 1e3
+            kv = None
     return {"P7_graph_over_eager_batch1": out["graphs_ms_batch1"] / out["eager_ms_batch1"],
             "P7_graph_over_eager_batch16": out["graphs_ms_batch16"] / out["eager_ms_batch16"],
             "P7_detail": {**out, "captured": cuda, "preset": preset, "prompt_len": prompt_len}}

@@ -23,7 +23,7 @@ from vllm.forward_context import get_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import Attention
 
-from ..parallel.group import DCPGroup
+from ..parallel.group import RankGroup
 from ..kv.settings import KVSettings
 from ..core.batch import ForwardTrace
 from ..core.config import ModelConfig
@@ -93,6 +93,6 @@ class HiSparseML4ForCausalLM(nn.Module):
         tp = get_tp_group()
         shard = None
         if tp.world_size > 1:
-            shard = shard_for(DCPGroup(tp.device_group, device=self.device))
+            shard = shard_for(RankGroup(tp.device_group, device=self.device))
         self.ml4 = load_model(self.model_dir, device=self.device, dtype=self.ml4.dtype, shard=shard)
         return {name for name, _ in self.named_parameters()}

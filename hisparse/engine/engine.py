@@ -5,9 +5,9 @@
 `SpeculativeConfig`, every decoding request drafts and verifies up to N tokens per step (spec_decode.py); a step
 may then emit several tokens per request, cut exactly where plain decoding would stop.
 
-A DCPError (a peer rank of a decode-context-parallel group died or hung) is fatal: every request in flight or
-queued fails with its message, later submissions are refused (503), the loop ends and `on_fatal` is told.
-Subclasses (hisparse.dcp.leader) hook the runner and speculator they build, `idle` and `rank_pools`.
+An EngineFatal (a peer rank of a parallel group died or hung) is fatal: every request in flight or queued fails
+with its message, later submissions are refused (503), the loop ends and `on_fatal` is told. `hooks` (hooks.py)
+is how rank 0 of a parallel group takes part in every step, release, idle wait, failure and stop.
 """
 
 from __future__ import annotations
@@ -19,25 +19,22 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
-from ..parallel.group import DCPError
 from ..model.dspark import DSparkDrafter
 from ..kv.base import KVStats, LatentKV
 from ..model.ml4 import ML4
 from .detokenizer import TextStream
 from .request import Request, RequestError, RequestOutput, SamplingParams, TokenLogprobs
 from .cuda_graphs import DecodeGraphs
+from .hooks import EngineFatal, EngineHooks
 from .runner import ModelRunner, SegmentOutput
 from .sampling import SamplingBatch, sample, token_logprobs
 from .scheduler import Scheduler, SchedulerConfig
 from .spec_decode import Speculator
 from .speculative import Proposer, SpeculativeConfig
-
-if TYPE_CHECKING:
-    from ..parallel.replica import RankPool
 
 log = logging.getLogger("hisparse.engine")
 
@@ -60,25 +57,28 @@ class StepStats:
     kv_reserved_tokens: int = 0           # tokens reserved by admitted requests (0 when all are done)
     num_preemptions: int = 0              # running requests preempted so far (their KV freed, to recompute)
     kv_index_cache_bytes: int = 0         # indexer keys held on the device (0 when all are done)
-    kv_ranks: list["RankPool"] = field(default_factory=list)   # DCP: each rank's host pool ([] without DCP)
+    kv_ranks: list[Any] = field(default_factory=list)   # each rank's host pool report ([] in one process)
     graph_steps: int = 0                  # forwards of this step that replayed the decode graphs
 
 
 class Engine:
     """`speculative`: DSpark speculative decoding (None: off); `proposer` overrides the checkpoint's drafter
-    (tests and benchmarks: an oracle); `graphs`: piecewise CUDA graphs for decode steps (None: eager)."""
-    idle_s: float | None = None   # run_forever calls idle() after this long without work (None: it just waits)
+    (tests and benchmarks: an oracle); `graphs`: piecewise CUDA graphs for decode steps (None: eager); `hooks`:
+    the engine's extension points (hooks.py; None: a single process)."""
 
     def __init__(self, model: ML4, kv: LatentKV, cfg: SchedulerConfig, eos_id: int | None = None,
                  decode: Callable[[list[int]], str] | None = None, speculative: SpeculativeConfig | None = None,
-                 proposer: Proposer | None = None, graphs: DecodeGraphs | None = None):
+                 proposer: Proposer | None = None, graphs: DecodeGraphs | None = None,
+                 hooks: EngineHooks | None = None):
         self.model, self.kv = model, kv
         self.graphs = graphs
+        self.hooks = hooks or EngineHooks()
         self.speculator: Speculator | None = None
         if speculative is not None:
             window = model.cfg.mtp.sliding_window if model.cfg.mtp is not None else None
-            self.speculator = self.make_speculator(speculative, proposer or DSparkDrafter(model), kv, window)
-        self.runner = self.make_runner(model, kv, self.speculator.tap_layers if self.speculator else ())
+            self.speculator = Speculator(speculative, proposer or DSparkDrafter(model), kv, window, self.hooks)
+        self.runner = ModelRunner(model, kv, self.speculator.tap_layers if self.speculator else (), graphs,
+                                  self.hooks)
         self.scheduler = Scheduler(cfg, kv, speculative.num_speculative_tokens if speculative else 0,
                                    on_preempt=self._preempted)
         self.eos_id, self.decode = eos_id, decode
@@ -91,16 +91,9 @@ class Engine:
         self._finished: list[str] = []   # finish reasons since the last step's stats (aborts land between steps)
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self.fatal: DCPError | None = None       # set when the DCP group broke; the engine no longer runs
-        self.on_fatal: Callable[[DCPError], None] | None = None
+        self.fatal: EngineFatal | None = None    # set when a parallel group broke; the engine no longer runs
+        self.on_fatal: Callable[[EngineFatal], None] | None = None
         self._fatal_lock = threading.Lock()      # orders submissions against the switch to `fatal`
-
-    def make_speculator(self, config: SpeculativeConfig, proposer: Proposer, kv: LatentKV,
-                        window: int | None) -> Speculator:
-        return Speculator(config, proposer, kv, window)
-
-    def make_runner(self, model: ML4, kv: LatentKV, tap_layers: tuple[int, ...]) -> ModelRunner:
-        return ModelRunner(model, kv, tap_layers, self.graphs)
 
     # ---- submission (any thread) ----
     def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
@@ -156,7 +149,7 @@ class Engine:
         """Take every queued submission; with `block`, wait for the first one (at most idle_s: then False)."""
         while True:
             try:
-                kind, arg = self.inbox.get(block=block, timeout=self.idle_s if block else None)
+                kind, arg = self.inbox.get(block=block, timeout=self.hooks.idle_s if block else None)
             except queue.Empty:
                 return not block
             block = False
@@ -291,6 +284,7 @@ class Engine:
 
     def _preempted(self, req: Request) -> None:
         """A request's KV was freed to make room (it recomputes later): drop its drafter state too."""
+        self.hooks.released(req.id)
         if self.speculator is not None:
             self.speculator.release(req.id)
 
@@ -305,6 +299,7 @@ class Engine:
                 error: str | None = None, logprobs: list[TokenLogprobs] | None = None,
                 prompt_logprobs: list[TokenLogprobs] | None = None) -> None:
         """End a request: free its KV, then deliver the final output (remaining text included)."""
+        self.hooks.released(req.id)
         self.scheduler.remove(req)
         if self.speculator is not None:
             self.speculator.release(req.id)
@@ -321,8 +316,9 @@ class Engine:
         for req in list(self.scheduler.running) + list(self.scheduler.waiting):
             self._finish(req, "error", error=f"engine error: {type(err).__name__}: {err}")
 
-    def _die(self, err: DCPError) -> None:
-        """The DCP group is broken: fail everything in flight or queued, refuse new work, tell `on_fatal`."""
+    def _die(self, err: EngineFatal) -> None:
+        """A parallel group is broken: fail everything in flight or queued, refuse new work, tell `on_fatal`."""
+        err = self.hooks.failed(err)
         log.error("engine stopped: %s", err)
         with self._fatal_lock:
             self.fatal = err
@@ -331,21 +327,18 @@ class Engine:
         if self.on_fatal is not None:
             self.on_fatal(err)
 
-    def idle(self) -> None:
-        """Called from run_forever after idle_s without work (DCP rank 0: a heartbeat to the followers)."""
-
-    def rank_pools(self) -> list["RankPool"]:
-        """Each DCP rank's host pool as last reported ([] without DCP)."""
-        return []
+    def rank_pools(self) -> list[Any]:
+        """Each rank's host pool as last reported ([] in one process)."""
+        return self.hooks.rank_pools()
 
     def run_forever(self) -> None:
         while not self._stopping:
             try:
                 if not self._drain_inbox(block=not self.has_work()):
-                    self.idle()
+                    self.hooks.idle()
                 if not self._stopping:
                     self.step()
-            except DCPError as e:   # no forward can run any more: not one request's failure
+            except EngineFatal as e:   # no forward can run any more: not one request's failure
                 self._die(e)
                 return
             except Exception as e:   # noqa: BLE001 - keep serving; fail what was in flight
@@ -359,10 +352,15 @@ class Engine:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop the engine thread, then tell the hooks (unless the engine already stopped on a fatal error)."""
+        if self._stopping:
+            return
         self._stopping = True
         self.inbox.put(("stop", None))
         if self._thread is not None:
             self._thread.join()
+        if self.fatal is None:
+            self.hooks.stopped()
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
                  ) -> list[Request]:

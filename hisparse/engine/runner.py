@@ -6,11 +6,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..parallel.group import DCPError
 from ..core.batch import ForwardTrace, Segment
 from ..kv.base import LatentKV
 from ..model.ml4 import ML4
 from .cuda_graphs import DecodeGraphs
+from .hooks import EngineFatal, EngineHooks
 from .request import Request
 
 
@@ -87,11 +87,13 @@ def row_index(lengths: list[int], counts: list[int]) -> torch.Tensor:
 class ModelRunner:
     """Owns the model and the KV store; used only from the engine thread. `tap_layers`: layers whose hidden
     states every forward returns per segment (the drafter's context path); `graphs`: runs the decode steps it
-    handles (piecewise CUDA graphs), every other step runs the model's forward."""
+    handles (piecewise CUDA graphs), every other step runs the model's forward; `hooks` hear of every step
+    (rank 0 of a parallel group sends it to the followers first)."""
 
     def __init__(self, model: ML4, kv: LatentKV, tap_layers: tuple[int, ...] = (),
-                 graphs: DecodeGraphs | None = None):
+                 graphs: DecodeGraphs | None = None, hooks: EngineHooks | None = None):
         self.model, self.kv, self.tap_layers, self.graphs = model, kv, tuple(tap_layers), graphs
+        self.hooks = hooks or EngineHooks()
 
     def forward(self, step: ScheduledStep, indices: list[int]) -> list[SegmentOutput]:
         """One forward over `step`; a SegmentOutput per segment (indices: their indices in the full step)."""
@@ -112,10 +114,17 @@ class ModelRunner:
                                                             samples))]
 
     def execute(self, step: ScheduledStep) -> StepResult:
+        """Run the batch between the hooks' before_forward and after_forward."""
+        self.hooks.before_forward(step)
+        result = self.isolated(step)
+        self.hooks.after_forward()
+        return result
+
+    def isolated(self, step: ScheduledStep) -> StepResult:
         """Run the batch; if it fails, roll back and rerun each segment alone so only the failing ones fail."""
         try:
             return StepResult(self.forward(step, list(range(len(step.reqs)))))
-        except DCPError:        # the group is broken, not one request: nothing to isolate
+        except EngineFatal:        # the group is broken, not one request: nothing to isolate
             raise
         except Exception as e:   # noqa: BLE001 - isolated below, request by request
             if len(step.reqs) == 1:
@@ -126,7 +135,7 @@ class ModelRunner:
             self.kv.truncate(req.id, seg.start)
             try:
                 out.ok += self.forward(step.only(i), [i])
-            except DCPError:
+            except EngineFatal:
                 raise
             except Exception as e:   # noqa: BLE001 - reported on this request only
                 out.failed.append((req, e))

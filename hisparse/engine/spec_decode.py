@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..kv.base import LatentKV
+from .hooks import EngineHooks
 from .runner import ScheduledStep, SegmentOutput
 from .speculative import (Proposer, SpeculativeConfig, SpecStats, accept_greedy_batch, accept_rejection,
                           batch_draft_sampler, token_probs)
@@ -23,10 +24,14 @@ from .speculative import (Proposer, SpeculativeConfig, SpecStats, accept_greedy_
 
 class Speculator:
     """Drafts before and accepts after each engine forward. `window`: the newest rows per request the proposer
-    reads (its sliding window; None = all), so the context path skips older rows of long prompt chunks."""
+    reads (its sliding window; None = all), so the context path skips older rows of long prompt chunks. `hooks`
+    hear of every rollback and context-path update (rank 0 of a parallel group records them for the followers)
+    and choose the drafter the speculator calls."""
 
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer, kv: LatentKV, window: int | None = None):
-        self.config, self.proposer, self.kv, self.window = config, proposer, kv, window
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, kv: LatentKV, window: int | None = None,
+                 hooks: EngineHooks | None = None):
+        self.hooks = hooks or EngineHooks()
+        self.config, self.proposer, self.kv, self.window = config, self.hooks.proposer(proposer), kv, window
         self.stats = SpecStats()
 
     @property
@@ -80,11 +85,13 @@ class Speculator:
 
     def rollback(self, req_id: str, length: int) -> None:
         """Forget the request's positions >= length in the target KV and the draft window."""
+        self.hooks.rolled_back(req_id, length)
         self.kv.truncate(req_id, length)
         self.proposer.truncate(req_id, length)
 
     def observe(self, outs: list[SegmentOutput], kept: list[int]) -> None:
         """The drafter's context path for the first kept[i] rows of each segment (only the newest `window`)."""
+        self.hooks.observed([o.index for o in outs], list(kept))
         if not self.tap_layers or not outs:
             return
         spans = [(o, max(0, k - (self.window or k)), k) for o, k in zip(outs, kept)]

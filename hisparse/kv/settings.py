@@ -12,7 +12,7 @@ import argparse
 import math
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -59,6 +59,16 @@ def _invalid(field: str, problem: str) -> KVSettingsError:
 
 def _is_int(v: Any, least: int) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= least
+
+
+class KernelUser(Protocol):
+    """A model whose own kernels (the MoE's routed experts) follow the store's kernel path (the ML4 model)."""
+    cfg: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+
+    def use_kernels(self, path: str) -> None:
+        """Run the model's kernels on `path` ('triton' | 'torch')."""
 
 
 @dataclass(frozen=True)
@@ -120,6 +130,12 @@ class KVSettings:
             raise _invalid("kernels", f"'triton' runs on CUDA (device is {device}; on the CPU only under "
                                       "TRITON_INTERPRET=1)")
         return self.kernels
+
+    def attach(self, model: KernelUser) -> LatentKV:
+        """The LatentKV for `model` (on its device, in its dtype), and the model's own kernels set to the store's
+        kernel path: the one call that starts a model's KV, so the model and its store never disagree."""
+        model.use_kernels(self.kernel_path(model.device))
+        return self.build(model.cfg, model.device, model.dtype)
 
     def build(self, cfg: ModelConfig, device: torch.device | str = "cpu",
               dtype: torch.dtype = torch.float32) -> LatentKV:

@@ -14,14 +14,14 @@ from __future__ import annotations
 import torch
 
 from ..kv.scoring import select_topk
-from .group import DCPGroup
+from .group import RankGroup
 from .sharding import Sharding
 
 
 class DCPContext:
     """One rank's view of a DCP group with interleave I: its sharding and the two collective steps of a layer."""
 
-    def __init__(self, group: DCPGroup, interleave: int = 1, heads_split: bool = False):
+    def __init__(self, group: RankGroup, interleave: int = 1, heads_split: bool = False):
         self.group, self.heads_split = group, heads_split
         self.sharding = Sharding(group.size, interleave, group.rank)
 

@@ -12,7 +12,7 @@ import torch
 
 from ..engine.runner import ModelRunner, SegmentOutput
 from ..engine.spec_decode import Speculator
-from .group import DCPGroup
+from .group import RankGroup
 from .replica import Op, StepMessage, gather_pools
 
 
@@ -20,12 +20,12 @@ class Follower:
     """runner: this rank's model and ShardedKV (taps on when speculating); speculator: its draft window (None
     without speculative decoding; it only observes, rolls back and releases, it never proposes)."""
 
-    def __init__(self, group: DCPGroup, runner: ModelRunner, speculator: Speculator | None = None):
+    def __init__(self, group: RankGroup, runner: ModelRunner, speculator: Speculator | None = None):
         self.group, self.runner, self.speculator = group, runner, speculator
         self.last: dict[int, SegmentOutput] = {}    # the last forward's outputs by segment index (for "observe")
 
     def run(self) -> None:
-        """Replay messages (their ops first, then their step) until rank 0 says stop; DCPError when rank 0 is
+        """Replay messages (their ops first, then their step) until rank 0 says stop; GroupError when rank 0 is
         gone or hung, or a collective fails."""
         while True:
             msg: StepMessage = self.group.broadcast_object(None, "rank 0's next step or heartbeat")

@@ -4,7 +4,7 @@ a dead or hung peer raises instead of blocking forever.
 The backend follows the device the ranks compute on (`--device`): NCCL for cuda, gloo otherwise, whatever the
 machine has; every tensor handed to a collective must live on that device (checked, so a CPU tensor cannot reach
 NCCL). Ranks are started by `hisparse.parallel.launch` (spawned processes) or by torchrun
-(`DCPGroup.from_env`). Every rank runs the same batch, so every rank issues the same collectives in the same order.
+(`RankGroup.from_env`). Every rank runs the same batch, so every rank issues the same collectives in the same order.
 With gloo a collective whose peer died fails at once (connection closed) and one whose peer hangs fails after
 `timeout_s`; with NCCL the watchdog tears the process down after `timeout_s`, which the launcher reports.
 """
@@ -18,13 +18,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..engine.hooks import EngineFatal
+
 DEFAULT_TIMEOUT_S = 60.0
 # torch 2.11 (the GPU image's) has only all_gather_into_tensor; later torch names it all_gather_single and
 # deprecates the old name. Same collective, same result.
 _all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 
-class DCPError(RuntimeError):
+class GroupError(EngineFatal):
     """A collective failed: a peer rank died, hung past the timeout, or the group is broken."""
 
 
@@ -33,7 +35,7 @@ def backend_for(device: torch.device | str) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
-class DCPGroup:
+class RankGroup:
     """This process's rank in a group of `size` ranks (wraps a torch.distributed process group); `device` is where
     the tensors of its collectives live."""
 
@@ -44,7 +46,7 @@ class DCPGroup:
 
     @classmethod
     def init(cls, rank: int, size: int, init_method: str = "env://", device: torch.device | str = "cpu",
-             timeout_s: float = DEFAULT_TIMEOUT_S) -> "DCPGroup":
+             timeout_s: float = DEFAULT_TIMEOUT_S) -> "RankGroup":
         """Join the default process group as `rank` of `size` (init_method: file://, tcp:// or env://) with the
         backend `device` calls for; a cuda rank uses GPU LOCAL_RANK (or its rank) modulo the visible GPUs."""
         backend = backend_for(device)
@@ -57,14 +59,14 @@ class DCPGroup:
         return cls(None, timeout_s, device)
 
     @classmethod
-    def from_env(cls, device: torch.device | str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S) -> "DCPGroup":
+    def from_env(cls, device: torch.device | str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S) -> "RankGroup":
         """Join as torchrun describes this process (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
         missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
         if missing:
             raise ValueError(f"parallel ranks from torchrun: environment variable(s) {missing} not set")
         return cls.init(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://", device, timeout_s)
 
-    def subgroup(self, block: int) -> "DCPGroup":
+    def subgroup(self, block: int) -> "RankGroup":
         """This rank's group of `block` consecutive ranks of this group (members g*block .. (g+1)*block - 1); only
         that block's ranks call it (a group-local rendezvous)."""
         if self.size % block:
@@ -75,7 +77,7 @@ class DCPGroup:
         g = self.rank // block
         pg = dist.new_group(ranks[g * block:(g + 1) * block], timeout=datetime.timedelta(seconds=self.timeout_s),
                             use_local_synchronization=True)
-        return DCPGroup(pg, self.timeout_s, self.device)
+        return RankGroup(pg, self.timeout_s, self.device)
 
     def _check(self, x: torch.Tensor, op: str, what: str) -> torch.Tensor:
         if x.device != self.device:
@@ -84,7 +86,7 @@ class DCPGroup:
         return x.contiguous()
 
     def all_reduce(self, x: torch.Tensor, what: str) -> torch.Tensor:
-        """The sum of x over every rank (every rank gets the same bits); DCPError (naming `what`) if it fails."""
+        """The sum of x over every rank (every rank gets the same bits); GroupError (naming `what`) if it fails."""
         if self.size == 1:
             return x
         x = self._check(x, "all_reduce", what)
@@ -95,7 +97,7 @@ class DCPGroup:
         return x
 
     def all_gather(self, x: torch.Tensor, what: str) -> torch.Tensor:
-        """x [n, ...] from every rank -> [size, n, ...] in rank order; DCPError (naming `what`) if it fails."""
+        """x [n, ...] from every rank -> [size, n, ...] in rank order; GroupError (naming `what`) if it fails."""
         if self.size == 1:
             return x[None]
         x = self._check(x, "all_gather", what)
@@ -107,7 +109,7 @@ class DCPGroup:
         return out.view(self.size, *x.shape)
 
     def all_to_all(self, x: torch.Tensor, what: str) -> torch.Tensor:
-        """x [size, ...]: x[j] goes to rank j; returns [size, ...] whose j-th entry came from rank j; DCPError
+        """x [size, ...]: x[j] goes to rank j; returns [size, ...] whose j-th entry came from rank j; GroupError
         (naming `what`) if it fails."""
         if self.size == 1:
             return x
@@ -120,7 +122,7 @@ class DCPGroup:
         return out
 
     def broadcast_object(self, obj: Any, what: str) -> Any:
-        """Rank 0's picklable `obj` on every rank (the others pass None); DCPError (naming `what`) if it fails."""
+        """Rank 0's picklable `obj` on every rank (the others pass None); GroupError (naming `what`) if it fails."""
         box = [obj]
         try:
             dist.broadcast_object_list(box, group=self.pg, group_src=0)
@@ -128,8 +130,8 @@ class DCPGroup:
             raise self._failed("broadcast", what, e) from e
         return box[0]
 
-    def _failed(self, op: str, what: str, e: Exception) -> DCPError:
-        return DCPError(f"rank {self.rank}/{self.size}: {op} for {what} failed (a peer rank died, hung past the "
+    def _failed(self, op: str, what: str, e: Exception) -> GroupError:
+        return GroupError(f"rank {self.rank}/{self.size}: {op} for {what} failed (a peer rank died, hung past the "
                         f"{self.timeout_s:g} s timeout, or left the group): {e}")
 
     def close(self) -> None:

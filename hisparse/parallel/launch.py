@@ -5,7 +5,7 @@ process group (a file store in a private temp dir: no port to pick), runs fn(gro
 returns the rank-ordered return values. When a rank fails (exception, signal or exit), the survivors fail too —
 their next collective sees the closed peer, or times out after `timeout_s` — and the launcher gives them that long
 to report, then kills what is left. It raises DCPLaunchError naming every failed rank and why, and leaves no
-process behind. torchrun users call `DCPGroup.from_env` in their own entry point instead.
+process behind. torchrun users call `RankGroup.from_env` in their own entry point instead.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .group import DEFAULT_TIMEOUT_S, DCPGroup
+from .group import DEFAULT_TIMEOUT_S, RankGroup
 
 PR_SET_PDEATHSIG = 1
 
@@ -62,7 +62,7 @@ def _rank_main(rank: int, size: int, workdir: str, device: str, timeout_s: float
     with failure_report(workdir, rank):
         if threads:
             torch.set_num_threads(threads)
-        group = DCPGroup.init(rank, size, store_url(workdir), device, timeout_s)
+        group = RankGroup.init(rank, size, store_url(workdir), device, timeout_s)
         result = fn(group, *args)
         torch.save(result, Path(workdir) / f"result{rank}.pt")
         group.close()
@@ -86,7 +86,7 @@ def rank_failure(workdir: str | Path, rank: int, code: int) -> str:
 def launch(fn: Callable[..., Any], size: int, *args: Any, device: str = "cpu",
            timeout_s: float = DEFAULT_TIMEOUT_S, threads: int | None = None, grace_s: float | None = None,
            deadline_s: float | None = None) -> list[Any]:
-    """Run fn(group: DCPGroup, *args) on `size` spawned ranks; their return values, rank-ordered.
+    """Run fn(group: RankGroup, *args) on `size` spawned ranks; their return values, rank-ordered.
 
     fn and args must be picklable (fn a module-level function). device: where the ranks compute (it picks the
     backend: NCCL for cuda, gloo otherwise). threads: intra-op threads per rank. grace_s:

@@ -1,10 +1,11 @@
-"""Rank 0 of a serving parallel group (TP and/or DCP): the engine whose every forward the followers replay.
+"""Rank 0 of a serving parallel group (TP and/or DCP): the engine hooks that make the followers replay its steps.
 
-`DCPEngine` is the ordinary engine with three hooks: its runner broadcasts each step before running it, its
-speculator records every rollback and draft-window update, and every finished request records its release
-(`Leader` collects these `Op`s and sends them with the next step). When idle it sends a heartbeat every quarter
-of the group timeout, so a follower's receive only times out when rank 0 is really gone; `stop` tells them to
-leave. A broken group (DCPError) is fatal to the engine (see Engine); `diagnose` names the peer that failed.
+`Leader` plugs into the ordinary engine (`Engine(..., hooks=Leader(...))`): before each forward it broadcasts the
+step, it records every release, rollback and draft-window update (`Op`s sent with the next step), and under
+tensor parallelism it runs the drafter's block forwards on every rank. When idle it sends a heartbeat every
+quarter of the group timeout, so a follower's receive only times out when rank 0 is really gone; when the engine
+stops it tells them to leave. A broken group (GroupError) is fatal to the engine; `diagnose` names the peer that
+failed.
 """
 
 from __future__ import annotations
@@ -12,27 +13,28 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from ..engine.cuda_graphs import DecodeGraphs
-from ..engine.engine import Engine
-from ..engine.request import Request, TokenLogprobs
-from ..engine.runner import ModelRunner, ScheduledStep, SegmentOutput, StepResult
-from ..engine.spec_decode import Speculator
-from ..engine.speculative import Proposer, SpeculativeConfig
+from ..engine.hooks import EngineFatal, EngineHooks
+from ..engine.runner import ScheduledStep
+from ..engine.speculative import Proposer
 from ..kv.base import LatentKV
 from ..model.ml4 import ML4
-from .group import DCPError, DCPGroup
+from .group import GroupError, RankGroup
 from .replica import Op, RankInfo, RankPool, ReplayStep, StepMessage, gather_pools, gather_ranks
 
 log = logging.getLogger("hisparse.parallel")
 
 
-class Leader:
-    """Rank 0's side of the step protocol: the ops since the last message, and the last RankPool report."""
+class Leader(EngineHooks):
+    """Rank 0's side of the step protocol over `group` (every rank); `kv` is rank 0's store (its ShardedKV under
+    DCP). `lockstep_drafts`: every rank runs the drafter's block forwards (tensor parallelism). `diagnose`
+    (optional) says which peer failed, for the error every request in flight gets when the group breaks."""
 
-    def __init__(self, group: DCPGroup, kv: LatentKV):
-        self.group, self.kv = group, kv
+    def __init__(self, group: RankGroup, kv: LatentKV, lockstep_drafts: bool = False):
+        self.group, self.kv, self.lockstep_drafts = group, kv, lockstep_drafts
+        self.idle_s = group.timeout_s / 4
         self.ops: list[Op] = []
         self.pools: list[RankPool] = []
+        self.diagnose: Callable[[], str] | None = None
 
     def record(self, op: Op) -> None:
         self.ops.append(op)
@@ -47,33 +49,48 @@ class Leader:
         """Every rank's pool numbers after the message (all ranks call it)."""
         self.pools = gather_pools(self.group, self.kv)
 
+    def start_up(self, model: ML4) -> list[RankInfo]:
+        """The start-up exchanges `run_follower` makes on every other rank: weights and working sets, then pools."""
+        ranks = gather_ranks(self.group, model, self.kv)
+        self.gather()
+        return ranks
 
-class LeaderRunner(ModelRunner):
-    def __init__(self, leader: Leader, model: ML4, kv: LatentKV, tap_layers: tuple[int, ...],
-                 graphs: DecodeGraphs | None = None):
-        super().__init__(model, kv, tap_layers, graphs)
-        self.leader = leader
+    # ---- EngineHooks ----
+    def proposer(self, proposer: Proposer) -> Proposer:
+        return LockstepProposer(proposer, self) if self.lockstep_drafts else proposer
 
-    def execute(self, step: ScheduledStep) -> StepResult:
-        self.leader.send(step)
-        result = super().execute(step)
-        self.leader.gather()
-        return result
+    def before_forward(self, step: ScheduledStep) -> None:
+        self.send(step)
 
+    def after_forward(self) -> None:
+        self.gather()
 
-class LeaderSpeculator(Speculator):
-    def __init__(self, leader: Leader, config: SpeculativeConfig, proposer: Proposer, kv: LatentKV,
-                 window: int | None):
-        super().__init__(config, proposer, kv, window)
-        self.leader = leader
+    def released(self, req_id: str) -> None:
+        self.record(("release", req_id))
 
-    def rollback(self, req_id: str, length: int) -> None:
-        self.leader.record(("rollback", req_id, length))
-        super().rollback(req_id, length)
+    def rolled_back(self, req_id: str, length: int) -> None:
+        self.record(("rollback", req_id, length))
 
-    def observe(self, outs: list[SegmentOutput], kept: list[int]) -> None:
-        self.leader.record(("observe", [o.index for o in outs], list(kept)))
-        super().observe(outs, kept)
+    def observed(self, indices: list[int], kept: list[int]) -> None:
+        self.record(("observe", list(indices), list(kept)))
+
+    def idle(self) -> None:
+        self.send()
+        self.gather()
+
+    def rank_pools(self) -> list[RankPool]:
+        return self.pools
+
+    def failed(self, err: EngineFatal) -> EngineFatal:
+        why = self.diagnose() if self.diagnose is not None else ""
+        return GroupError(f"{why}. {err}") if why else err
+
+    def stopped(self) -> None:
+        """Release the followers."""
+        try:
+            self.send(stop=True)
+        except GroupError as e:   # a follower already gone: the caller's clean-up reports it
+            log.warning("could not release the followers: %s", e)
 
 
 class LockstepProposer:
@@ -94,63 +111,3 @@ class LockstepProposer:
         out = self.inner.propose_batch(reqs, anchors, pos, n, sample)
         self.leader.gather()               # ... then exchange pool stats, as after every message
         return out
-
-
-class DCPEngine(Engine):
-    """The engine on rank 0 of a parallel group `group` (every rank); `kv` is rank 0's store (its ShardedKV under
-    DCP; other arguments: Engine's). Idle, it sends a heartbeat every quarter of the group timeout. `diagnose`
-    (optional) says which peer failed, for the error every request in flight gets when the group breaks.
-    `lockstep_drafts`: every rank runs the drafter's block forwards (tensor parallelism)."""
-
-    def __init__(self, model: ML4, kv: LatentKV, group: DCPGroup, *args, lockstep_drafts: bool = False, **kwargs):
-        self.leader = Leader(group, kv)
-        self.lockstep_drafts = lockstep_drafts
-        self.idle_s = group.timeout_s / 4
-        self.diagnose: Callable[[], str] | None = None
-        super().__init__(model, kv, *args, **kwargs)
-
-    def make_speculator(self, config: SpeculativeConfig, proposer: Proposer, kv: LatentKV,
-                        window: int | None) -> Speculator:
-        if self.lockstep_drafts:
-            proposer = LockstepProposer(proposer, self.leader)
-        return LeaderSpeculator(self.leader, config, proposer, kv, window)
-
-    def make_runner(self, model: ML4, kv: LatentKV, tap_layers: tuple[int, ...]) -> ModelRunner:
-        return LeaderRunner(self.leader, model, kv, tap_layers, self.graphs)
-
-    def _preempted(self, req: Request) -> None:
-        self.leader.record(("release", req.id))
-        super()._preempted(req)
-
-    def _finish(self, req: Request, reason: str, new: list[int] | None = None, delta: str = "",
-                error: str | None = None, **logprobs: list[TokenLogprobs] | None) -> None:
-        self.leader.record(("release", req.id))
-        super()._finish(req, reason, new, delta, error, **logprobs)
-
-    def _die(self, err: DCPError) -> None:
-        why = self.diagnose() if self.diagnose is not None else ""
-        super()._die(DCPError(f"{why}. {err}") if why else err)
-
-    def start_up(self, model: ML4) -> list[RankInfo]:
-        """The start-up exchanges `run_follower` makes on every other rank: weights and working sets, then pools."""
-        ranks = gather_ranks(self.leader.group, model, self.leader.kv)
-        self.leader.gather()
-        return ranks
-
-    def idle(self) -> None:
-        self.leader.send()
-        self.leader.gather()
-
-    def rank_pools(self) -> list[RankPool]:
-        return self.leader.pools
-
-    def stop(self) -> None:
-        """Stop the engine thread, then release the followers (unless the group already failed)."""
-        if self._stopping:
-            return
-        super().stop()
-        if self.fatal is None:
-            try:
-                self.leader.send(stop=True)
-            except DCPError as e:   # a follower already gone: the caller's clean-up reports it
-                log.warning("could not release the DCP followers: %s", e)

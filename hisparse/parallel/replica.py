@@ -18,7 +18,7 @@ from torch import nn
 
 from ..engine.runner import ScheduledStep
 from ..kv.base import KVStats, LatentKV
-from .group import DCPGroup
+from .group import RankGroup
 from .sharded_kv import ShardedKV
 
 # ("release", req_id)                 the request finished: free its KV and draft window
@@ -93,7 +93,7 @@ def own_store(kv: LatentKV) -> LatentKV:
     return kv.inner if isinstance(kv, ShardedKV) else kv
 
 
-def gather_pools(group: DCPGroup, kv: LatentKV) -> list[RankPool]:
+def gather_pools(group: RankGroup, kv: LatentKV) -> list[RankPool]:
     """Every rank's RankPool (a collective: all ranks call it). kv: this rank's store (ShardedKV under DCP)."""
     pool = getattr(own_store(kv), "pool", None)
     mine = [pool.token_capacity, pool.pages_used * pool.page_tokens] if pool is not None else [0, 0]
@@ -111,7 +111,7 @@ class RankInfo:
     working_set_bytes: int    # per request: HiSparse's hot buffer + resident window rows and their metadata
 
 
-def gather_ranks(group: DCPGroup, model: nn.Module, kv: LatentKV) -> list[RankInfo]:
+def gather_ranks(group: RankGroup, model: nn.Module, kv: LatentKV) -> list[RankInfo]:
     """Every rank's RankInfo (a collective: all ranks call it, once, after joining)."""
     store = own_store(kv)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())

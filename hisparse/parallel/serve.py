@@ -36,7 +36,7 @@ from ..model.weights import load_model
 from .tp import TensorParallel
 from .context import DCPContext
 from .follower import Follower
-from .group import DEFAULT_TIMEOUT_S, DCPGroup
+from .group import DEFAULT_TIMEOUT_S, RankGroup
 from .sharded_kv import ShardedKV
 from .launch import die_with_parent, failure_report, rank_failure, store_url
 from .replica import RankInfo, RankPool, gather_pools, gather_ranks
@@ -75,11 +75,10 @@ def load_rank(cfg: ParallelConfig, rank: int, model_dir: Path, device: str, dtyp
     """This rank's share of the model and its own KV store (before joining: sharding needs only the rank)."""
     tp = TensorParallel(rank, cfg.tp_size) if cfg.tp_size > 1 else None
     model = load_model(model_dir, device=device, dtype=dtype, shard=tp.shard if tp is not None else None)
-    model.use_kernels(kv_settings.kernel_path(device))
-    return model, kv_settings.build(model.cfg, device, dtype), tp
+    return model, kv_settings.attach(model), tp
 
 
-def join_rank(group: DCPGroup, cfg: ParallelConfig, tp: TensorParallel | None, kv: LatentKV) -> LatentKV:
+def join_rank(group: RankGroup, cfg: ParallelConfig, tp: TensorParallel | None, kv: LatentKV) -> LatentKV:
     """After joining `group` (every rank): the TP hooks get the group, and with DCP the store becomes this rank's
     shard of its DCP group (consecutive ranks)."""
     if tp is not None:
@@ -89,7 +88,7 @@ def join_rank(group: DCPGroup, cfg: ParallelConfig, tp: TensorParallel | None, k
     return ShardedKV(kv, DCPContext(group.subgroup(cfg.dcp_size), cfg.interleave, heads_split=cfg.tp_size > 1))
 
 
-def run_follower(group: DCPGroup, model: ML4, kv: LatentKV, speculative: SpeculativeConfig | None,
+def run_follower(group: RankGroup, model: ML4, kv: LatentKV, speculative: SpeculativeConfig | None,
                  graph_rows: int = 0) -> Follower:
     """A follower rank's life after joining (kv: from `join_rank`): its decode graphs of up to `graph_rows` rows
     (0: none; made where rank 0 makes its own, before the start-up exchanges: a capture's warm-up runs the
@@ -117,12 +116,12 @@ def follower_main(rank: int, cfg: ParallelConfig, workdir: str, model_dir: Path,
             torch.cuda.set_device(rank % torch.cuda.device_count())
         model, kv, tp = load_rank(cfg, rank, model_dir, device, dtype, kv_settings)
         (Path(workdir) / f"ready{rank}").touch()
-        group = DCPGroup.init(rank, cfg.world_size, store_url(workdir), device, cfg.timeout_s)
+        group = RankGroup.init(rank, cfg.world_size, store_url(workdir), device, cfg.timeout_s)
         run_follower(group, model, join_rank(group, cfg, tp, kv), speculative, graph_rows)
         group.close()
 
 
-class DCPStartError(RuntimeError):
+class GroupStartError(RuntimeError):
     """A follower rank failed before the group was up."""
 
 
@@ -145,17 +144,17 @@ class FollowerRanks:
     def pids(self) -> dict[int, int]:
         return {r: p.pid for r, p in self.procs.items()}
 
-    def join(self) -> DCPGroup:
-        """Wait until every follower has loaded (DCPStartError naming a follower that failed), then join as rank 0."""
+    def join(self) -> RankGroup:
+        """Wait until every follower has loaded (GroupStartError naming a follower that failed), then join as rank 0."""
         while missing := [r for r in self.procs if not (self.workdir / f"ready{r}").exists()]:
             dead = [r for r in missing if self.procs[r].exitcode is not None]
             if dead:
-                raise DCPStartError("DCP follower rank(s) failed to start: " + self.describe(dead))
+                raise GroupStartError("DCP follower rank(s) failed to start: " + self.describe(dead))
             multiprocessing.connection.wait([self.procs[r].sentinel for r in missing], timeout=0.2)
         try:
-            return DCPGroup.init(0, self.cfg.world_size, store_url(self.workdir), self.device, self.cfg.timeout_s)
+            return RankGroup.init(0, self.cfg.world_size, store_url(self.workdir), self.device, self.cfg.timeout_s)
         except Exception as e:   # noqa: BLE001 - a follower that died or hung between loading and joining
-            raise DCPStartError(f"DCP group did not form ({e}): {self.describe()}") from e
+            raise GroupStartError(f"DCP group did not form ({e}): {self.describe()}") from e
 
     def describe(self, ranks: list[int] | None = None) -> str:
         """How each follower is doing: its exit (the last line of its traceback) or that it is still running."""

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .group import DCPGroup
+from .group import RankGroup
 from ..model.attention import MLA
 from ..core.config import ModelConfig
 from ..model.linear import Linear
@@ -63,7 +63,7 @@ class TensorParallel:
     """Shards a meta-device ML4 for rank `rank` of a tensor-parallel group of `size` ranks; `bind` gives it the
     group its collectives run in (before the first forward)."""
 
-    def __init__(self, rank: int, size: int, group: DCPGroup | None = None):
+    def __init__(self, rank: int, size: int, group: RankGroup | None = None):
         if not 0 <= rank < size:
             raise ValueError(f"tensor parallelism: rank {rank} of {size}")
         self.rank, self.size, self.group = rank, size, None
@@ -71,14 +71,14 @@ class TensorParallel:
         if group is not None:
             self.bind(group)
 
-    def bind(self, group: DCPGroup) -> None:
+    def bind(self, group: RankGroup) -> None:
         if (group.rank, group.size) != (self.rank, self.size):
             raise ValueError(f"tensor parallelism: sharded for rank {self.rank} of {self.size}, bound to rank "
                              f"{group.rank} of {group.size}")
         self.group = group
 
     @property
-    def comm(self) -> DCPGroup:
+    def comm(self) -> RankGroup:
         if self.group is None:
             raise RuntimeError("tensor parallelism: forward before the rank joined its group (bind)")
         return self.group
@@ -166,6 +166,6 @@ def check_splits(cfg: ModelConfig, size: int) -> None:
         TensorParallel(0, size).shard(ML4(cfg))
 
 
-def shard_for(group: DCPGroup | None) -> Callable[[ML4], Select | None] | None:
+def shard_for(group: RankGroup | None) -> Callable[[ML4], Select | None] | None:
     """The loader's `shard` hook for a joined tensor-parallel group (None: no tensor parallelism)."""
     return None if group is None or group.size == 1 else TensorParallel(group.rank, group.size, group).shard
