@@ -1,4 +1,4 @@
-"""The fused CPU indexer top-k (hisparse/model/kernels) against the torch path, and the torch path against a
+"""The fused CPU indexer top-k (hisparse/kv/kernels) against the torch path, and the torch path against a
 plain sort (spec §3.6: score descending, ties by position ascending).
 
 The kernel must give exactly the torch path's selections (and scores), in every build (SIMD width, FMA filter on

@@ -10,6 +10,7 @@ kernels excepted: splitting one must not move a barrier).
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -175,3 +176,29 @@ def test_the_checks_fail(tmp_path):
                                                              "kv -> server (hisparse.server)",
                                                              "kv -> model (hisparse.model)"]
     assert [b.split(" ")[1] for b in long_functions(root)] == ["f:"]
+
+
+def layout_rows(text: str) -> dict[str, str]:
+    """README layout table: `hisparse/<part>/` or `hisparse/<part>.py` -> the row's text."""
+    rows = {}
+    for line in text.splitlines():
+        m = re.match(r"\| `hisparse/([a-z_]+)(/|\.py)` \|(.*)", line)
+        if m:
+            rows[m.group(1)] = m.group(3)
+    return rows
+
+
+def test_readme_layout_matches_the_tree():
+    rows = layout_rows((ROOT.parent / "README.md").read_text())
+    parts = {part(module_name(f)) for f in FILES} - {None}
+    assert set(rows) == parts, f"README layout rows {sorted(rows)} vs parts {sorted(parts)}"
+    missing = [f"{p}: {name}" for p, text in rows.items() for name in re.findall(r"`([a-z_]+\.py)`", text)
+               if (ROOT / p).is_dir() and not list((ROOT / p).rglob(name))]
+    assert not missing, f"README layout names files that do not exist: {missing}"
+
+
+def test_design_layering_table_matches_the_layers():
+    text = (ROOT.parent / "docs" / "design.md").read_text()
+    table = text[text.index("## Layout and layering"):].split("\n\n")[2]
+    named = set(re.findall(r"`([a-z_]+)(?:/|\.py)`", table))
+    assert set(RANK) <= named, f"design.md's layering table misses {sorted(set(RANK) - named)}"

@@ -169,7 +169,7 @@ def run(args: argparse.Namespace, settings: KVSettings) -> dict:
         "model": str(model_dir), "prompt_tokens": args.tokens, "decode_tokens": args.decode,
         "chunk": args.chunk, "threads": args.threads, "kv_layout": settings.layout,
         "max_position_embeddings": cfg.max_position_embeddings,
-        "indexer_kernel": "fused C++ (hisparse/model/kernels)" if indexer_topk.available() else "torch",
+        "indexer_kernel": "fused C++ (hisparse/kv/kernels)" if indexer_topk.available() else "torch",
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
                     "commit": git_commit()},
         "needle": {"value": value, "depth": prompt.needle_depth}, "prompt_build_s": round(build_s, 1),

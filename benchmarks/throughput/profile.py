@@ -2,10 +2,10 @@
 
 Prefills C requests (small preset, HiSparse on), then attaches py-spy to this process while it runs decode steps,
 and attributes every sample to the innermost hisparse frame's area:
-  working set   hisparse/gpu_working_set/*, hisparse/host_pool/* (but the row codec), hisparse/model/kv.py (but
-                sparse_mla) and hisparse/dcp/kv.py: resolving, copying and addressing rows, LRU, page tables
+  working set   hisparse/gpu_working_set/*, hisparse/host_pool/* (but the row codec), hisparse/kv/* (but sparse_mla
+                and scoring) and hisparse/parallel/sharded_kv.py: resolving, copying and addressing rows, LRU, pages
   row codec     hisparse/host_pool/layout.py: packing rows to fp8_ds_mla / bf16 bytes and unpacking them
-  indexer       hisparse/model/indexer.py and its kernels (scoring + exact top-k)
+  indexer       hisparse/model/indexer.py, hisparse/kv/scoring.py and their kernels (scoring + exact top-k)
   attention     sparse_mla (the absorbed MQA over the gathered rows)
   model         the rest of hisparse/model (projections, MoE, norms, rope)
   engine        scheduler, sampling, request bookkeeping (hisparse/engine, outside the forward)
@@ -53,12 +53,12 @@ def area_of(frame: str) -> str | None:
         return "attention"
     if rel == "hisparse/host_pool/layout.py":
         return "row codec"
-    if rel.startswith(("hisparse/gpu_working_set/", "hisparse/host_pool/", "hisparse/dcp/kv.py")):
-        return "working set"
-    if rel == "hisparse/model/kv.py":
-        return "working set"
-    if rel.startswith(("hisparse/model/indexer.py", "hisparse/model/kernels/")):
+    if rel.startswith(("hisparse/model/indexer.py", "hisparse/model/kernels/", "hisparse/kv/scoring.py",
+                       "hisparse/kv/kernels/")):
         return "indexer"
+    if rel.startswith(("hisparse/gpu_working_set/", "hisparse/host_pool/", "hisparse/kv/",
+                       "hisparse/parallel/sharded_kv.py")):
+        return "working set"
     if rel.startswith("hisparse/model/"):
         return "model"
     if rel.startswith("hisparse/engine/"):

@@ -188,11 +188,11 @@ class LatentKV(ABC):
                                                  rows(lo, hi), sel[lo:hi] >= 0, scale, r)
         return olat, lse
 
+    @abstractmethod
     def stored_rows(self, layer: int, seg: torch.Tensor, sel: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Where the selected rows' bytes are, for the Triton kernel: (store [rows, row_bytes] uint8, idx [n, k]
         its rows, -1 where nothing is selected, and extra rows read by an idx >= rows as extra[idx - rows])."""
-        raise NotImplementedError(f"{type(self).__name__} has no Triton path")
 
     # ---- request lifecycle ----
     def release(self, req: Hashable) -> None:

@@ -19,8 +19,8 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from ..core.batch import Segment
-from ..model.indexer import Indexer
 from ..kv.base import LatentKV, RowSource
+from ..kv.scoring import Scorer
 from .context import DCPContext
 
 
@@ -51,7 +51,7 @@ class ShardedKV(LatentKV):
         own, s, local = self._owned(seg, positions)
         self.inner.write_keys(layer, s, local, keys[own])
 
-    def select(self, layer: int, indexer: Indexer, q: torch.Tensor, w: torch.Tensor, seg: torch.Tensor,
+    def select(self, layer: int, indexer: Scorer, q: torch.Tensor, w: torch.Tensor, seg: torch.Tensor,
                positions: torch.Tensor) -> torch.Tensor:
         """Sel(t) [n, k]: this rank's exact local top-k over its own keys (key j is visible to t iff
         j < count_owned(p_t + 1); the scores are the single-rank ones bit for bit), merged across ranks."""
@@ -61,21 +61,27 @@ class ShardedKV(LatentKV):
         where = sh.global_of(cols.clamp(min=0)).masked_fill(cols < 0, -1)
         return self.dcp.merge_topk(scores, where, indexer.topk, layer)
 
-    def gather(self, layer: int, seg: torch.Tensor, sel: torch.Tensor) -> RowSource:
-        """Rows of owned selected positions (global); positions owned elsewhere read as empty (-1)."""
+    def local_selection(self, sel: torch.Tensor) -> torch.Tensor:
+        """sel [n, k] global positions -> the inner store's local indices of those this rank owns (-1 elsewhere)."""
         sh = self.sharding
         mine = (sel >= 0) & (sh.owner(sel) == sh.rank)
-        return self.inner.gather(layer, seg, torch.where(mine, sh.local(sel.clamp(min=0)), -1))
+        return torch.where(mine, sh.local(sel.clamp(min=0)), -1)
+
+    def gather(self, layer: int, seg: torch.Tensor, sel: torch.Tensor) -> RowSource:
+        """Rows of owned selected positions (global); positions owned elsewhere read as empty (-1)."""
+        return self.inner.gather(layer, seg, self.local_selection(sel))
+
+    def stored_rows(self, layer: int, seg: torch.Tensor, sel: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The inner store's bytes of the owned selected positions (others: -1)."""
+        return self.inner.stored_rows(layer, seg, self.local_selection(sel))
 
     def attend(self, layer: int, q_lat: torch.Tensor, q_rope: torch.Tensor | None, seg: torch.Tensor,
                sel: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Partial attention over Sel(t) ∩ Own_r, LSE-combined across ranks (lse: this rank's partial). With
         tensor-parallel heads, over the queries of every head of the group, and this rank's heads returned."""
-        sh = self.sharding
-        mine = (sel >= 0) & (sh.owner(sel) == sh.rank)
-        local = torch.where(mine, sh.local(sel.clamp(min=0)), -1)
         q_lat, q_rope = self.dcp.gather_heads(q_lat, layer), self.dcp.gather_heads(q_rope, layer)
-        olat, lse = self.inner.attend(layer, q_lat, q_rope, seg, local, scale)
+        olat, lse = self.inner.attend(layer, q_lat, q_rope, seg, self.local_selection(sel), scale)
         return self.dcp.combine(olat, lse, layer), lse
 
     def begin_step(self, segments: Sequence) -> None:

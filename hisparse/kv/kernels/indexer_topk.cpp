@@ -19,7 +19,7 @@
 // block of keys is gathered through the page table while it is transposed, and scores and positions are those
 // of the logical keys. One contiguous keys array is the single segment with one page of all its keys.
 //
-// Keys may instead be the fp8 index cache's records (hisparse/model/index_cache.py): dI x e4m3 bytes then one
+// Keys may instead be the fp8 index cache's records (hisparse/kv/index_cache.py): dI x e4m3 bytes then one
 // fp32 power-of-two scale per key. A block of them is decoded (e4m3 x scale, exact in float and double) into a
 // per-thread buffer as it is gathered, then scored exactly as plain keys of those values.
 
