@@ -15,12 +15,14 @@ def test_throughput_benchmark_runs_and_reports_its_ratios(tmp_path: Path) -> Non
                     "--concurrency", "1,4", "--decode-steps", "2", "--threads", "1", "--out", str(tmp_path)],
                    cwd=ROOT, check=True, capture_output=True, text=True, timeout=300)
     result = json.loads((tmp_path / "throughput.json").read_text())
-    assert {r["mode"] for r in result["rows"]} == {"none", "hisparse", "none_unlimited"}
+    assert {r["mode"] for r in result["rows"]} == {"none", "hisparse", "hybrid", "none_unlimited"}
     assert all(r["decode_tokens"] > 0 for r in result["rows"])
     lim = result["max_concurrent"]
     assert result["capacity_ratio"] == lim["hisparse"] / lim["none"]
-    for key in ("ratio", "step_ratio", "ratio_vs_unlimited", "ceiling_ratio"):
+    for key in ("ratio", "step_ratio", "ratio_vs_unlimited", "ceiling_ratio", "hybrid_step_over_none_c1",
+                "hybrid_over_hisparse"):
         assert result[key] > 0
+    assert result["hybrid_misses_c1"] == 0     # one request: every row resident
 
 
 def test_node_table_reproduces_the_spec_arithmetic(tmp_path: Path) -> None:

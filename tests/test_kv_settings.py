@@ -19,16 +19,17 @@ from hisparse.host_pool.layout import LAYOUTS
 from hisparse.core.config import preset
 from hisparse.kv.resident import ResidentKV
 
-FIELDS = ("offload", "layout", "host_pool_gib", "hot_buffer_tokens", "resident_window", "page_tokens")
+FIELDS = ("offload", "layout", "host_pool_gib", "device_kv_gib", "hot_buffer_tokens", "resident_window", "page_tokens")
 FLAGS = {"offload": "--kv-offload", "layout": "--kv-layout", "host_pool_gib": "--host-pool-gib",
+         "device_kv_gib": "--device-kv-gib",
          "hot_buffer_tokens": "--hot-buffer-tokens", "resident_window": "--resident-window",
          "page_tokens": "--page-tokens", "index_cache": "--index-cache"}
 KEYS = {"offload": "kv_offload", "layout": "kv_layout"}
 
 # (field, bad value, what the message says about it)
 BAD = [
-    ("offload", "gpu", "must be one of ['hisparse', 'none'], got 'gpu'"),
-    ("offload", None, "must be one of ['hisparse', 'none'], got None"),
+    ("offload", "gpu", "must be one of ['hybrid', 'hisparse', 'none'], got 'gpu'"),
+    ("offload", None, "must be one of ['hybrid', 'hisparse', 'none'], got None"),
     ("layout", "fp16", f"must be one of {list(LAYOUTS)}, got 'fp16'"),
     ("host_pool_gib", -1, "must be a positive number of GiB, got -1"),
     ("host_pool_gib", 0, "must be a positive number of GiB, got 0"),
@@ -36,6 +37,8 @@ BAD = [
     ("host_pool_gib", True, "must be a positive number of GiB, got True"),
     ("host_pool_gib", math.inf, "must be a positive number of GiB, got inf"),
     ("host_pool_gib", math.nan, "must be a positive number of GiB, got nan"),
+    ("device_kv_gib", 0, "must be a positive number of GiB, got 0"),
+    ("device_kv_gib", "2", "must be a positive number of GiB, got '2'"),
     ("hot_buffer_tokens", -1, "must be an integer >= 0, got -1"),
     ("hot_buffer_tokens", True, "must be an integer >= 0, got True"),
     ("hot_buffer_tokens", 2.0, "must be an integer >= 0, got 2.0"),
@@ -54,7 +57,7 @@ def parser() -> argparse.ArgumentParser:
 
 def test_defaults() -> None:
     s = KVSettings()
-    assert tuple(getattr(s, f) for f in FIELDS) == ("hisparse", "fp8_ds_mla", 4.0, None, None, 64)
+    assert tuple(getattr(s, f) for f in FIELDS) == ("hybrid", "fp8_ds_mla", 4.0, 4.0, None, None, 64)
     assert s.index_cache == "fp32"
     cfg = preset("tiny")
     assert s.hot_buffer(cfg) == 2 * cfg.index_topk and s.window == DEFAULT_WINDOW == 64
@@ -100,8 +103,8 @@ def test_extra_config_requires_the_pool_and_lists_unknown_keys() -> None:
     with pytest.raises(KVSettingsError) as e:
         KVSettings.from_extra_config({"host_pool_gib": 1, "pool": 2, "offload": "none"})
     assert str(e.value) == ("kv_connector_extra_config: unknown key(s) ['offload', 'pool']; HiSparseConnector "
-                            "accepts ['host_pool_gib', 'hot_buffer_tokens', 'index_cache', 'kernels', 'kv_layout', "
-                            "'kv_offload', 'page_tokens', 'resident_window']")
+                            "accepts ['device_kv_gib', 'host_pool_gib', 'hot_buffer_tokens', 'index_cache', "
+                            "'kernels', 'kv_layout', 'kv_offload', 'page_tokens', 'resident_window']")
     with pytest.raises(KVSettingsError) as e:
         KVSettings.from_extra_config({"host_pool_gib": -1})
     assert str(e.value) == "kv_connector_extra_config: 'host_pool_gib' must be a positive number of GiB, got -1"
@@ -128,7 +131,7 @@ def test_flags_default_to_the_fields_and_say_so() -> None:
     for flag in FLAGS.values():
         assert "(default: " in helps[flag], flag
     text = " ".join(p.format_help().split())
-    for default in ("hisparse", "fp8_ds_mla", "4.0", "2 x the model's index_topk", "64"):
+    for default in ("hybrid", "fp8_ds_mla", "4.0", "2 x the model's index_topk", "64"):
         assert f"(default: {default})" in text, default
 
 

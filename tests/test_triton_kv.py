@@ -14,6 +14,7 @@ from hisparse.engine.generate import greedy_generate
 from hisparse.kv.settings import KVSettings, KVSettingsError
 from hisparse.kv.hisparse_kv import HiSparseKV
 from hisparse.core import triton_support
+from hisparse.kv.geometry import row_layout
 from hisparse.kv.resident import ResidentKV
 from hisparse.model.tiny import random_model
 from hisparse.core.config import preset_params
@@ -54,6 +55,25 @@ def test_hisparse_triton_equals_torch(model, layout: str, index_cache: str, dtyp
     assert (t.hits, t.misses, t.host_to_device_bytes, t.overlapped_copies) == \
         (r.hits, r.misses, r.host_to_device_bytes, r.overlapped_copies)
     assert r.misses > 100      # the host pool really served rows
+
+
+@needs_kernels
+def test_hybrid_triton_equals_torch(model, seed: int) -> None:
+    """Hybrid offload with three resident pages for a six-page context: resident positions read their pages, the
+    miss path resolves only the spilled ones; the same rows, and the same hits by kind, as the torch path."""
+    prompt = torch.randint(0, model.cfg.vocab_size, (90,), generator=torch.Generator().manual_seed(seed)).tolist()
+    page_bytes = len(model.cfg.kv_source_layers) * 16 * row_layout(model.cfg, "fp8_ds_mla").row_bytes
+    store = lambda kernels: HiSparseKV(model.cfg, "fp8_ds_mla", DEV, torch.float32,  # noqa: E731
+                                       host_pool_gib=0.002, hot_buffer_tokens=10, resident_window=6, page_tokens=16,
+                                       kernels=kernels, device_kv_gib=3 * page_bytes / (1 << 30))
+    kvs = {k: store(k) for k in ("torch", "triton")}
+    lockstep = LockstepKV(kvs["torch"], kvs["triton"])
+    greedy_generate(model, lockstep, prompt, 8, chunk=40)
+    assert lockstep.compared["attend"] == 10 * len(model.layers)
+    t, r = kvs["triton"].stats, kvs["torch"].stats
+    assert (t.resident_hits, t.hits, t.misses, t.spilled_pages) == (r.resident_hits, r.hits, r.misses,
+                                                                     r.spilled_pages)
+    assert r.resident_hits > 0 and r.misses > 0 and r.spilled_pages > 0
 
 
 @needs_kernels

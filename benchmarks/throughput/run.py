@@ -7,7 +7,9 @@ token); with HiSparse, the same indexer keys plus its working set on the device 
 measured from `HiSparseKV.device_bytes` while it runs). `none` therefore admits B / (its bytes) requests at once
 (ResidentKV's token budget; the rest wait in the queue) and HiSparse B / (its bytes) (max_num_seqs). A third
 engine, `none_unlimited`, runs all-resident with no budget at HiSparse's concurrency: the compute ceiling of the
-batch HiSparse admits, so hisparse / none_unlimited is the cost of offloading at an equal batch.
+batch HiSparse admits, so hisparse / none_unlimited is the cost of offloading at an equal batch. `hybrid` admits
+as many requests as `hisparse` and gives what its running requests' working sets leave of B to resident pages
+(`--device-kv-gib`): one request keeps all its rows on the device, a saturated batch spills most of them.
 
 At each concurrency C the engine gets C long prompts; once every admitted request has prefilled, `--decode-steps`
 pure decode steps are timed: decode tokens/s = generated tokens / their wall time. Writes JSON and a PNG.
@@ -57,6 +59,7 @@ def measure(engine: Engine, prompts: list[list[int]], params: SamplingParams, wa
     prefill_s = time.perf_counter() - t0
     if on_running is not None:
         on_running()
+    before = dataclasses.replace(engine.kv.stats)
     tokens, t0 = 0, time.perf_counter()
     for _ in range(steps):
         st = engine.step()
@@ -64,11 +67,13 @@ def measure(engine: Engine, prompts: list[list[int]], params: SamplingParams, wa
         tokens += st.generation_tokens
     dt = time.perf_counter() - t0
     running = st.num_running
+    after = engine.kv.stats
+    timed = {k: getattr(after, k) - getattr(before, k) for k in ("misses", "hits", "resident_hits")}
     for r in list(engine.scheduler.running) + list(engine.scheduler.waiting):
         engine.abort(r.id)
     engine.step()
     return {"decode_tokens_per_s": tokens / dt, "decode_tokens": tokens, "decode_s": dt, "running": running,
-            "step_ms": 1000 * dt / steps, "prefill_s": prefill_s}
+            "step_ms": 1000 * dt / steps, "prefill_s": prefill_s, "timed_decode": timed}
 
 
 def main() -> None:
@@ -108,7 +113,7 @@ def main() -> None:
                                    host_pool_gib=max(1.0, 2 * max(conc) * length * latent_tok / 2**30))
 
     def hisparse_kv():
-        return settings.build(cfg, args.device)
+        return dataclasses.replace(settings, offload="hisparse").build(cfg, args.device)
 
     graphs = None
     if graphs_wanted(args.cuda_graph, args.device, settings.kernel_path(args.device)):
@@ -127,7 +132,7 @@ def main() -> None:
 
     rows = []
     page = settings.page_tokens
-    for mode in ("none", "hisparse", "none_unlimited"):
+    for mode in ("none", "hisparse", "hybrid", "none_unlimited"):
         for c in conc:
             if mode == "none":   # the budget in the store's page-rounded reservations of `length` tokens each
                 kv = ResidentKV(cfg, settings.layout, args.device, page_tokens=page,
@@ -136,6 +141,10 @@ def main() -> None:
             elif mode == "hisparse":
                 kv = hisparse_kv()
                 seqs = min(c, limits["hisparse"])
+            elif mode == "hybrid":    # the working sets of its requests first, resident pages get the rest
+                seqs = min(c, limits["hisparse"])
+                pages = max(budget - seqs * hs_req, 1) / 2**30
+                kv = dataclasses.replace(settings, offload="hybrid", device_kv_gib=pages).build(cfg, args.device)
             else:
                 kv = ResidentKV(cfg, settings.layout, args.device, page_tokens=page)
                 seqs = min(c, limits["hisparse"])
@@ -144,7 +153,8 @@ def main() -> None:
             r.update(mode=mode, concurrency=c)
             rows.append(r)
             print(f"{mode:14s} C={c:3d} running={r['running']:3d} decode {r['decode_tokens_per_s']:8.1f} tok/s "
-                  f"(step {r['step_ms']:.0f} ms, prefill {r['prefill_s']:.1f} s)", flush=True)
+                  f"(step {r['step_ms']:.0f} ms, prefill {r['prefill_s']:.1f} s, decode misses "
+                  f"{r['timed_decode']['misses']})", flush=True)
 
     result = summarize({
         "benchmark": "decode tokens/s vs concurrency at a fixed device budget", "preset": args.preset,
@@ -163,6 +173,9 @@ def main() -> None:
           f"none_unlimited at C={result['ratio_at']}: {result['ratio_vs_unlimited']:.2f}x; none_unlimited / none: "
           f"{result['ceiling_ratio']:.2f}x (the most any offload can gain at this batch)")
     plot(result, out / "throughput.png")
+    print(f"hybrid / none step at C=1: {result['hybrid_step_over_none_c1']:.3f} ({result['hybrid_misses_c1']} "
+          f"decode misses); hybrid / hisparse decode tokens/s at C={result['ratio_at']}: "
+          f"{result['hybrid_over_hisparse']:.2f}x")
     print(f"wrote {out / 'throughput.json'}")
 
 
@@ -179,6 +192,12 @@ def summarize(result: dict) -> dict:
                   step_ratio=step[("hisparse", c_max)] / step[("hisparse", conc[0])],
                   ratio_vs_unlimited=tps[("hisparse", c_max)] / tps[("none_unlimited", c_max)],
                   ceiling_ratio=tps[("none_unlimited", c_max)] / tps[("none", c_max)])
+    if ("hybrid", c_max) in tps:
+        c1 = conc[0]
+        misses = {(r["mode"], r["concurrency"]): r["timed_decode"]["misses"] for r in result["rows"]}
+        result.update(hybrid_step_over_none_c1=step[("hybrid", c1)] / step[("none", c1)],
+                      hybrid_misses_c1=misses[("hybrid", c1)],
+                      hybrid_over_hisparse=tps[("hybrid", c_max)] / tps[("hisparse", c_max)])
     return result
 
 
@@ -201,8 +220,11 @@ def plot(result: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     labels = {"none": f"none (max {result['max_concurrent']['none']} on device)",
               "hisparse": f"hisparse (max {result['max_concurrent']['hisparse']} on device)",
+              "hybrid": f"hybrid (max {result['max_concurrent']['hisparse']}, resident pages in what is left)",
               "none_unlimited": "none, unlimited device memory, at hisparse's concurrency"}
-    for mode, style in (("none", "o--"), ("hisparse", "s-"), ("none_unlimited", "^:")):
+    for mode, style in (("none", "o--"), ("hisparse", "s-"), ("hybrid", "d-"), ("none_unlimited", "^:")):
+        if not any(r["mode"] == mode for r in result["rows"]):
+            continue
         pts = sorted((r["concurrency"], r["decode_tokens_per_s"]) for r in result["rows"] if r["mode"] == mode)
         ax.plot(*zip(*pts), style, label=labels[mode], color="grey" if mode == "none_unlimited" else None)
     ax.axvline(result["max_concurrent"]["none"], color="grey", lw=0.8, ls=":")

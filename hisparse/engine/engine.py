@@ -59,6 +59,8 @@ class StepStats:
     kv_index_cache_bytes: int = 0         # indexer keys held on the device (0 when all are done)
     kv_ranks: list[Any] = field(default_factory=list)   # each rank's host pool report ([] in one process)
     graph_steps: int = 0                  # forwards of this step that replayed the decode graphs
+    kv_resident_rows: int = 0             # latent rows in resident device pages (hybrid offload)
+    residency: list[float] = field(default_factory=list)   # finished requests' resident fraction of pages
 
 
 class Engine:
@@ -89,6 +91,7 @@ class Engine:
         self.streams: dict[str, TextStream] = {}
         self._ids = itertools.count()
         self._finished: list[str] = []   # finish reasons since the last step's stats (aborts land between steps)
+        self._residency: list[float] = []   # the finished requests' residency ratios, likewise
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.fatal: EngineFatal | None = None    # set when a parallel group broke; the engine no longer runs
@@ -214,6 +217,8 @@ class Engine:
                         self._finish(o.req, "error", error=f"{type(e).__name__}: {e}")
         stats.graph_steps = (self.graphs.steps if self.graphs is not None else 0) - graph_steps
         stats.finished, self._finished = self._finished, []
+        stats.residency, self._residency = self._residency, []
+        stats.kv_resident_rows = self.kv.resident_rows()
         stats.num_running, stats.num_waiting = len(self.scheduler.running), len(self.scheduler.waiting)
         stats.kv_stats, stats.kv_usage = self.kv.stats.snapshot(), self.kv.usage_ratio()
         stats.kv_reserved_tokens = sum(self.kv.reserved.values())
@@ -300,6 +305,7 @@ class Engine:
                 prompt_logprobs: list[TokenLogprobs] | None = None) -> None:
         """End a request: free its KV, then deliver the final output (remaining text included)."""
         self.hooks.released(req.id)
+        self._residency.append(self.kv.residency(req.id))
         self.scheduler.remove(req)
         if self.speculator is not None:
             self.speculator.release(req.id)

@@ -3,6 +3,7 @@ of any request is one index into one tensor (a single gather per layer).
 
 Regions, each addressed through the request's slot r (a per-request slot table in the style of vLLM's block
 table):
+  page[owner]    [page_rows]        resident pages (hybrid offload: `resident_pages.ResidentPages`), fixed size
   hot[layer]     [R, n_slots]       the layer's hot buffer (LRU metadata per index group: `resolver.HotSlots`)
   window[owner]  [R, W + sinks]     newest W positions (ring, p % W) then the first `sinks` positions
   step[owner]    [step_cap]         the rows this step writes (row i of the step's write = step row i)
@@ -16,15 +17,16 @@ import torch
 
 class DeviceArena:
     def __init__(self, source: dict[int, int], n_slots: int, window: int, sinks: int, row_bytes: int,
-                 device: torch.device):
-        """source: every attending layer -> the KV-owning layer whose rows it reads."""
-        self.source = dict(source)
+                 device: torch.device, page_rows: int = 0):
+        """source: every attending layer -> the KV-owning layer whose rows it reads; page_rows: rows of each
+        KV owner's resident-page region."""
+        self.source, self.page_rows = dict(source), page_rows
         self.layers, self.owners = list(source), sorted(set(source.values()))
         self.n_slots, self.window, self.sinks, self.row_bytes = n_slots, window, sinks, row_bytes
         self.device = device
         self.slots, self.step_cap = 0, 0
-        self.data = torch.zeros(2, row_bytes, dtype=torch.uint8, device=device)
         self._layout()
+        self.data = torch.zeros(self.n_rows, row_bytes, dtype=torch.uint8, device=device)
 
     @property
     def win_rows(self) -> int:
@@ -33,7 +35,9 @@ class DeviceArena:
     def _layout(self) -> None:
         """Region bases for the current (slots, step_cap)."""
         R, off = self.slots, 0
-        self.hot_base, self.win_base, self.step_base = {}, {}, {}
+        self.page_base, self.hot_base, self.win_base, self.step_base = {}, {}, {}, {}
+        for l in self.owners:
+            self.page_base[l], off = off, off + self.page_rows
         for l in self.layers:
             self.hot_base[l], off = off, off + R * self.n_slots
         for l in self.owners:
@@ -54,7 +58,8 @@ class DeviceArena:
 
     def regions(self) -> list[tuple[int, int, int]]:
         """(base, rows per slot, slots) of every per-request region, for re-layout."""
-        return ([(self.hot_base[l], self.n_slots, self.slots) for l in self.layers]
+        return ([(self.page_base[l], self.page_rows, 1) for l in self.owners]
+                + [(self.hot_base[l], self.n_slots, self.slots) for l in self.layers]
                 + [(self.win_base[l], self.win_rows, self.slots) for l in self.owners])
 
     def fit(self, slots: int, step_rows: int) -> None:
@@ -79,6 +84,10 @@ class DeviceArena:
         ring = positions % self.window if self.window else torch.zeros_like(positions)
         local = torch.where(positions < self.sinks, self.window + positions, ring)
         return slot * self.win_rows + local
+
+    def page_bytes(self) -> int:
+        """Device bytes of the resident-page regions (every KV owner)."""
+        return len(self.owners) * self.page_rows * self.row_bytes
 
     def slot_bytes(self) -> int:
         """Device bytes one request slot holds (hot buffers of every layer + windows of every KV owner)."""

@@ -61,15 +61,18 @@ class KVStats:
     device_to_host_bytes: int = 0
     overlapped_copies: int = 0    # miss copies issued ahead of the layer that needed them (prefetch)
     steps: int = 0
+    resident_hits: int = 0        # selected rows read from resident device pages (hybrid offload)
+    spilled_pages: int = 0        # resident pages spilled to make room (hybrid offload)
 
     def snapshot(self) -> "KVStats":
         return KVStats(**{f.name: getattr(self, f.name) for f in fields(self)})
 
     def summary(self) -> str:
-        sel = self.hits + self.misses
-        rate = self.hits / sel if sel else 0.0
-        return (f"hits={self.hits} misses={self.misses} hit_rate={rate:.3f} h2d={self.host_to_device_bytes}B "
-                f"d2h={self.device_to_host_bytes}B overlapped={self.overlapped_copies} steps={self.steps}")
+        sel = self.resident_hits + self.hits + self.misses
+        rate = (self.resident_hits + self.hits) / sel if sel else 0.0
+        return (f"resident_hits={self.resident_hits} hits={self.hits} misses={self.misses} hit_rate={rate:.3f} "
+                f"h2d={self.host_to_device_bytes}B d2h={self.device_to_host_bytes}B "
+                f"overlapped={self.overlapped_copies} spilled_pages={self.spilled_pages} steps={self.steps}")
 
 
 def sparse_mla(q_lat: torch.Tensor, q_rope: torch.Tensor | None, rows: torch.Tensor, valid: torch.Tensor,
@@ -229,6 +232,14 @@ class LatentKV(ABC):
         """Device bytes of indexer keys held (by one request, or by all)."""
         pages = self.pages.pages_used if req is None else self.pages.pages_of(req)
         return pages * self.index_keys.bytes_per_page()
+
+    def resident_rows(self) -> int:
+        """Latent rows held in resident device pages (hybrid offload; 0 for other stores)."""
+        return 0
+
+    def residency(self, req: Hashable) -> float:
+        """Fraction of a request's pages whose rows are on the device."""
+        return 0.0
 
     # ---- capacity and admission: a request reserves the positions it may write (grown as it decodes) ----
     def token_capacity(self) -> int | None:

@@ -10,6 +10,11 @@ followers' copies overlap the owner's attention. A gather is then one index into
 `kernels='triton'` one miss-path launch per index group does the resolve, the copies and the indexing
 (`stored_rows`). Rows are the same bytes ResidentKV stores, so outputs are bit-identical with HiSparse on and off
 (on either kernel path).
+
+Hybrid offload (`device_kv_gib`): the arena also holds resident pages, device copies of host-pool pages kept
+while there is room (`resident_pages.ResidentPages`). A selected position on a resident page is read from its
+page; only the others go through the resolver (window, hot buffer, miss), so a request that spilled nothing
+reads every row from the device, as ResidentKV does.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ from .geometry import row_layout
 from .base import LatentKV, RowSource
 from ..gpu_working_set.arena import DeviceArena
 from ..gpu_working_set.copier import Copier
-from ..gpu_working_set.resolver import EXTRA, HotSlots, Plan, resolve
+from ..gpu_working_set.resident_pages import ResidentPages
+from ..gpu_working_set.resolver import EXTRA, KEY_SPAN, NO_KEY, HotSlots, Plan, resolve
 
 if TYPE_CHECKING:
     from ..gpu_working_set.kernels.miss_path_triton import MissPath
@@ -41,7 +47,7 @@ class HiSparseKV(LatentKV):
                  dtype: torch.dtype = torch.float32, host_pool_gib: float = 4.0,
                  hot_buffer_tokens: int | None = None, resident_window: int | None = None,
                  sink_tokens: int = DEFAULT_SINKS, page_tokens: int = 64, kernels: str = "torch",
-                 index_cache: str = "fp32"):
+                 index_cache: str = "fp32", device_kv_gib: float | None = None):
         if layout is None:
             raise ValueError("kv_layout: HiSparse stores packed rows; choose 'fp8_ds_mla' or 'bf16'")
         n_slots = hot_buffer_tokens if hot_buffer_tokens is not None else 2 * cfg.index_topk
@@ -53,8 +59,15 @@ class HiSparseKV(LatentKV):
         self.pool, self.n_slots, self.window, self.sinks = pool, n_slots, window, sink_tokens
         self.copier = Copier(self.device)
         self.members = {o: [l.index for l in cfg.layers if l.index_source == o] for o in cfg.index_owner_layers}
+        page_bytes = len(cfg.kv_source_layers) * page_tokens * self.layout.row_bytes
+        n_pages = 0 if device_kv_gib is None else int(device_kv_gib * (1 << 30)) // page_bytes
+        # hybrid: resident pages (None: every row outside the window comes from the host pool)
+        self.resident = ResidentPages(n_pages, pool.n_pages, self.device) if n_pages else None
+        self.placed: dict[Hashable, int] = {}   # request -> how many of its pages were offered a device page
+        self.resident_split: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.resident_count = torch.zeros((), dtype=torch.long, device=self.device)   # this step's resident hits
         self.arena = DeviceArena({l.index: l.kv_source for l in cfg.layers}, n_slots, window, sink_tokens,
-                                 self.layout.row_bytes, self.device)
+                                 self.layout.row_bytes, self.device, n_pages * page_tokens)
         self.hot = {g: HotSlots(n_slots, self.device) for g in cfg.index_owner_layers}
         self.slot_of: dict[Hashable, int] = {}       # request -> its slot in the arena and the hot metadata
         self.free_slots: list[int] = []
@@ -99,10 +112,65 @@ class HiSparseKV(LatentKV):
             self.step_pool_rows = self.step_host_rows.to(self.device)
         self.step += 1
         self.stats.steps += 1
+        if self.resident is not None:
+            self.place_pages(segments)
         self.step_rows = self.located = None
         self.plans.clear()
         self.fetched.clear()
         self.kernel_plans.clear()
+        self.resident_split.clear()
+
+    def place_pages(self, segments: Sequence) -> None:
+        """Hybrid: offer every request's new pages a device page (spilling the coldest others' if the device is
+        full), bring spilled pages back while device pages are free (copied from the host pool), and send the
+        changes to the device."""
+        res, P, tables = self.resident, self.page_tokens, self.pages.tables
+        res.step = self.step
+        keep = {h for s in segments for h in tables[s.req][s.start // P: -(-(s.start + s.length) // P)]}
+        for s in segments:
+            pages = tables[s.req]
+            res.place(s.req, pages[self.placed.get(s.req, 0):], keep)
+            self.placed[s.req] = len(pages)
+        back = [pair for s in segments if res.free for pair in res.readmit(s.req, tables[s.req])]
+        if back:
+            self.copy_back(back)
+        res.apply()
+        self.stats.spilled_pages = res.spilled_pages
+
+    def copy_back(self, pages: list[tuple[int, int]]) -> None:
+        """Copy the rows of (host page, device page) pairs from the host pool into the page region, every KV
+        owner. Only after a spill, when pages free up: rare, so the wait for the host backups is acceptable."""
+        if self.kernels == "triton" and self.device.type == "cuda":   # backups are written by device kernels
+            torch.cuda.current_stream(self.device).synchronize()
+        P, a = self.page_tokens, self.arena
+        within = torch.arange(P)
+        host = torch.cat([h * P + within for h, _ in pages])
+        dev = torch.cat([d * P + within for _, d in pages]).to(self.device)
+        for owner in a.owners:
+            a.data.index_copy_(0, a.page_base[owner] + dev, self.copier.to_device(self.pool.layer_view(owner), host))
+
+    def split_resident(self, group: int, seg: torch.Tensor, sel: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Hybrid: (the selection without its resident positions, which positions are resident, their row in
+        the page region) of an index group's selection; the resolver sees only the first. Without resident
+        pages: (sel, None, None)."""
+        if self.resident is None:
+            return sel, None, None
+        cached = self.resident_split.get(group)
+        if cached is not None and cached[0] is sel:
+            return cached[1:]
+        P = self.page_tokens
+        pages = self.tables.pages[seg[:, None].expand_as(sel), sel.clamp(min=0) // P]
+        hit, prow = self.resident.locate(pages, sel, P, self.step)
+        out = (torch.where(hit, -1, sel), hit, prow)
+        if cached is None:     # the group's own selection: count its distinct resident positions once
+            self.resident_split[group] = (sel, *out)
+            keys = torch.sort(torch.where(hit, seg[:, None] * KEY_SPAN + sel, NO_KEY).flatten()).values
+            first = torch.ones_like(keys, dtype=torch.bool)
+            first[1:] = keys[1:] != keys[:-1]
+            n = len(self.members[group])
+            self.resident_count += n * (first & (keys != NO_KEY)).sum()
+        return out
 
     def end_step(self) -> None:
         """Finish the host backups, then move the step's newest rows into the resident windows (one gather and
@@ -124,6 +192,9 @@ class HiSparseKV(LatentKV):
         self.plans.clear()
         self.fetched.clear()
         self.kernel_plans.clear()
+        if self.resident is not None:
+            self.stats.resident_hits += int(self.resident_count)
+            self.resident_count.zero_()
         if self.kernels == "triton":     # the step's one read of the device counters
             hits, misses, overlapped = self.kernel_counts.tolist()
             self.kernel_counts.zero_()
@@ -141,6 +212,10 @@ class HiSparseKV(LatentKV):
             self.step_rows = (seg, positions)
         a = self.arena
         a.data[a.step_base[layer]: a.step_base[layer] + data.shape[0]] = data
+        if self.resident is not None:    # and into the positions' resident pages
+            d = self.resident.slot_of[self.tables.pages[seg, positions // self.page_tokens]]
+            dest = a.page_base[layer] + d * self.page_tokens + positions % self.page_tokens
+            a.data.index_copy_(0, torch.where(d >= 0, dest, a.scratch_row), data)
         if self.kernels == "triton":      # straight into the pool, ordered before the next step's miss path
             from ..gpu_working_set.kernels.backup_triton import backup
             backup(data, self.pool.rows, self.step_pool_rows + self.pool.layer_offset(layer))
@@ -163,16 +238,19 @@ class HiSparseKV(LatentKV):
                 return out
             return stored
         group = self.cfg.layers[layer].index_source
+        rest, hit, prow = self.split_resident(group, seg, sel)
         plan = self.plans.get(group)
         if plan is None:
-            plan = self.plans[group] = self.plan_group(group, seg, sel)
+            plan = self.plans[group] = self.plan_group(group, seg, rest)
         extra, event = self.fetched.pop(layer)
         self.copier.wait(event)
         if self.located is None or self.located[0] is not sel:   # members of a group share the selection
-            self.located = (sel, plan.locate(seg, sel))
+            self.located = (sel, plan.locate(seg, rest))
         j = self.located[1]
         a = self.arena
         idx = (plan.local + a.kind_base[layer][plan.kind])[j]                                  # [n, k]
+        if hit is not None:
+            idx = torch.where(hit, a.page_base[self.source(layer)] + prow, idx)
         self.stats.hits += plan.n_unique - plan.n_misses
         self.stats.misses += plan.n_misses
         self.stats.host_to_device_bytes += plan.n_misses * self.layout.row_bytes
@@ -192,24 +270,29 @@ class HiSparseKV(LatentKV):
         every request's selections, copies every member layer's misses from the host pool and returns the arena
         rows of every selection; members then read their own."""
         group = self.cfg.layers[layer].index_source
+        rest, hit, prow = self.split_resident(group, seg, sel)
         if group not in self.kernel_plans:
-            self.run_miss_path(group, seg, sel)
+            self.run_miss_path(group, seg, rest, sel)
         launched, out = self.kernel_plans[group]
         i = self.members[group].index(layer)
         extra = None if out.extra is None else out.extra[i]
-        if sel is launched:
-            return self.arena.data, out.idx[i], extra
+        a = self.arena
         # a member past the narrowed rows (AttentionBatch.narrow_) reads a subset of the planned rows, by key
-        return self.arena.data, out.rows_of(seg, sel, self.arena.kind_base[layer], self.arena.data.shape[0]), extra
+        idx = out.idx[i] if sel is launched else out.rows_of(seg, rest, a.kind_base[layer], a.data.shape[0])
+        if hit is not None:
+            idx = torch.where(hit, a.page_base[self.source(layer)] + prow, idx)
+        return a.data, idx, extra
 
-    def run_miss_path(self, group: int, seg: torch.Tensor, sel: torch.Tensor) -> None:
+    def run_miss_path(self, group: int, seg: torch.Tensor, sel: torch.Tensor, launched: torch.Tensor) -> None:
+        """One miss-path launch for the index group's selection `sel` (its non-resident positions; `launched`:
+        the selection the layers pass, by which members find the result)."""
         from ..gpu_working_set.kernels.miss_path_triton import miss_path   # imports triton: only on the Triton path
         a, members = self.arena, self.members[group]
         out = miss_path(self.hot[group], self.step_slot, self.tables.start, self.step_row0, self.win_lo,
                         self.win_len, self.sinks, self.window, seg, sel, self.step, self.tables.pages,
                         self.page_tokens, self.pool.rows, self.pool_offsets[group], a.data,
                         torch.stack([a.kind_base[m] for m in members]), max_rows_per_seg=self.max_rows)
-        self.kernel_plans[group] = (sel, out)
+        self.kernel_plans[group] = (launched, out)
         unique, misses = out.counts.sum(0)
         n = len(members)
         self.kernel_counts += torch.stack((n * (unique - misses), n * misses, (n - 1) * misses))
@@ -244,6 +327,9 @@ class HiSparseKV(LatentKV):
             h.clear(slot, length)
 
     def release(self, req: Hashable) -> None:
+        if self.resident is not None:
+            self.resident.release(self.pages.tables.get(req, ()))
+            self.placed.pop(req, None)
         super().release(req)
         slot = self.slot_of.pop(req, None)
         if slot is not None:
@@ -268,20 +354,32 @@ class HiSparseKV(LatentKV):
         self.fit_slots(max_seqs, step_rows)
 
     def device_nbytes(self) -> int:
-        return (super().device_nbytes() + self.arena.data.nbytes + self.win_lo.nbytes + self.win_len.nbytes
+        pages = 0 if self.resident is None else self.resident.slot_of.nbytes + self.resident.stamp.nbytes
+        return (super().device_nbytes() + self.arena.data.nbytes + self.win_lo.nbytes + self.win_len.nbytes + pages
                 + sum(h.pos.nbytes + h.stamp.nbytes for h in self.hot.values()))
 
     # ---- observability ----
     def device_bytes(self, req: Hashable) -> dict[str, int]:
         """Device memory one request holds, by part (latent = window + hot slots; the rest is metadata)."""
         held = req in self.slot_of
-        return {"latent": self.arena.slot_bytes() if held else 0,
+        page = len(self.arena.owners) * self.page_tokens * self.layout.row_bytes
+        resident = self.resident.owned_by(req) * page if self.resident is not None else 0
+        return {"latent": self.arena.slot_bytes() if held else 0, "resident_pages": resident,
                 "hot_metadata": self.slot_metadata_bytes() if held else 0,
                 "index_keys": self.index_cache_bytes(req)}
 
     def slot_metadata_bytes(self) -> int:
         """Device bytes of one request slot's LRU metadata (positions and stamps of its hot slots, every group)."""
         return sum(h.nbytes_per_slot() for h in self.hot.values())
+
+    def resident_rows(self) -> int:
+        """Latent rows (token positions x KV owners) held in resident pages now."""
+        return 0 if self.resident is None else self.resident.resident * self.page_tokens * len(self.arena.owners)
+
+    def residency(self, req: Hashable) -> float:
+        """Fraction of a request's pages that are resident (1.0 when nothing of it spilled)."""
+        pages = self.pages.pages_of(req)
+        return self.resident.owned_by(req) / pages if self.resident is not None and pages else 0.0
 
     def working_set_bytes(self) -> int:
         """Device bytes one request's working set holds whatever its length: its arena slot and LRU metadata."""

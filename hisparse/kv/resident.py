@@ -56,6 +56,9 @@ class ResidentKV(LatentKV):
     def request_device_bytes(self, n_tokens: int) -> int:
         return super().request_device_bytes(n_tokens) + self.pages_for(n_tokens) * self.rows.bytes_per_page()
 
+    def residency(self, req: Hashable) -> float:
+        return 1.0
+
     def latent_bytes(self, req: Hashable | None = None) -> int:
         """Device bytes of latent rows held (by one request, or by all)."""
         pages = self.pages.pages_used if req is None else self.pages.pages_of(req)

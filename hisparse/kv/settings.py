@@ -24,7 +24,7 @@ from .index_cache import INDEX_CACHES
 from .base import LatentKV
 from .resident import ResidentKV
 
-OFFLOADS = ("hisparse", "none")
+OFFLOADS = ("hybrid", "hisparse", "none")
 KERNELS = ("auto", "triton", "torch")
 EXTRA_CONFIG = "kv_connector_extra_config"
 
@@ -73,10 +73,14 @@ class KernelUser(Protocol):
 
 @dataclass(frozen=True)
 class KVSettings:
-    offload: str = "hisparse"              # 'hisparse': rows in the host pool, hot working set on the device;
+    offload: str = "hybrid"                # 'hybrid': rows in the host pool, and on the device while
+                                           # device_kv_gib has room (resident pages; the rest via hot slots);
+                                           # 'hisparse': rows in the host pool, hot working set on the device;
                                            # 'none': all rows resident on the device (reference)
     layout: str = "fp8_ds_mla"             # stored row format (hisparse.host_pool.layout.LAYOUTS)
-    host_pool_gib: float = 4.0             # host memory for latent rows (offload 'hisparse')
+    host_pool_gib: float = 4.0             # host memory for latent rows (offload 'hybrid' and 'hisparse')
+    device_kv_gib: float = 4.0             # device memory for resident pages (offload 'hybrid'; the windows and
+                                           # hot slots of each request come on top)
     hot_buffer_tokens: int | None = None   # hot slots per (index group, request); None: 2 x index_topk
     resident_window: int | None = None     # newest tokens per request kept on the device; None: 64
     page_tokens: int = 64                  # tokens per page: the allocation unit of the host pool (or of the
@@ -93,10 +97,11 @@ class KVSettings:
             raise _invalid("offload", f"must be one of {list(OFFLOADS)}, got {self.offload!r}")
         if self.layout not in LAYOUTS:
             raise _invalid("layout", f"must be one of {list(LAYOUTS)}, got {self.layout!r}")
-        gib = self.host_pool_gib
-        if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not 0 < gib < math.inf:
-            raise _invalid("host_pool_gib", f"must be a positive number of GiB, got {gib!r}")
-        object.__setattr__(self, "host_pool_gib", float(gib))    # 8 and 8.0 are the same setting
+        for name in ("host_pool_gib", "device_kv_gib"):
+            gib = getattr(self, name)
+            if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not 0 < gib < math.inf:
+                raise _invalid(name, f"must be a positive number of GiB, got {gib!r}")
+            object.__setattr__(self, name, float(gib))    # 8 and 8.0 are the same setting
         for name in ("hot_buffer_tokens", "resident_window"):
             v = getattr(self, name)
             if v is not None and not _is_int(v, 0):
@@ -147,7 +152,8 @@ class KVSettings:
         return HiSparseKV(cfg, self.layout, device, dtype, host_pool_gib=self.host_pool_gib,
                           hot_buffer_tokens=self.hot_buffer(cfg), resident_window=self.window,
                           sink_tokens=DEFAULT_SINKS, page_tokens=self.page_tokens, kernels=kernels,
-                          index_cache=self.index_cache)
+                          index_cache=self.index_cache,
+                          device_kv_gib=self.device_kv_gib if self.offload == "hybrid" else None)
 
     # ---- sources ----
     @staticmethod
@@ -155,10 +161,14 @@ class KVSettings:
         """Add the flags of the fields in `names` (default: all) to `parser`; `from_args` reads them back."""
         default = {f.name: f.default for f in fields(KVSettings)}
         flags: dict[str, dict[str, Any]] = {
-            "offload": dict(choices=OFFLOADS, help="hisparse: latent rows in the host pool, hot working set on the "
-                                                   "device; none: all resident (default: %(default)s)"),
+            "offload": dict(choices=OFFLOADS, help="hybrid: latent rows in the host pool and, while --device-kv-gib "
+                                                   "has room, in resident device pages; hisparse: always offload "
+                                                   "(hot working set on the device); none: all resident "
+                                                   "(default: %(default)s)"),
             "layout": dict(choices=LAYOUTS, help="stored row format (default: %(default)s)"),
             "host_pool_gib": dict(type=float, help="GiB of host memory for latent rows (default: %(default)s)"),
+            "device_kv_gib": dict(type=float, help="GiB of device memory for resident pages with --kv-offload "
+                                                   "hybrid (default: %(default)s)"),
             "hot_buffer_tokens": dict(type=int, help="hot slots per request (default: 2 x the model's index_topk)"),
             "resident_window": dict(type=int, help="newest tokens kept on the device "
                                                    f"(default: {DEFAULT_WINDOW})"),

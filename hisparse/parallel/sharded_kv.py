@@ -102,6 +102,12 @@ class ShardedKV(LatentKV):
         self.inner.truncate(req, self.sharding.count_owned(length))
 
     # ---- capacity in global tokens (this rank's store holds its share) ----
+    def resident_rows(self) -> int:
+        return self.inner.resident_rows()
+
+    def residency(self, req: Hashable) -> float:
+        return self.inner.residency(req)
+
     def token_capacity(self) -> int | None:
         cap = self.inner.token_capacity()
         return None if cap is None else self.sharding.span_of(cap)

@@ -16,6 +16,9 @@ ACCEPTANCE_LENGTH_BUCKETS = tuple(float(n) for n in range(1, 9))   # tokens emit
 KV_COUNTERS = {
     "hits": ("hisparse_cache_hits", "Selected latent rows already on the device"),
     "misses": ("hisparse_cache_misses", "Selected latent rows copied host -> device"),
+    "resident_hits": ("hisparse_cache_resident_hits", "Selected latent rows read from resident device pages "
+                                                      "(--kv-offload hybrid)"),
+    "spilled_pages": ("hisparse_spilled_pages", "Resident device pages spilled to make room (--kv-offload hybrid)"),
     "host_to_device_bytes": ("hisparse_host_to_device_bytes", "Bytes copied from the host pool to the device"),
     "device_to_host_bytes": ("hisparse_device_to_host_bytes", "Bytes backed up from the device to the host pool"),
 }
@@ -44,6 +47,11 @@ class Metrics:
         self.reserved = Gauge("hisparse_kv_reserved_tokens", "KV tokens reserved by admitted requests", registry=r)
         self.index_bytes = Gauge("hisparse_kv_index_cache_bytes", "Indexer-key bytes held on the device",
                                  registry=r)
+        self.resident_rows = Gauge("hisparse_resident_rows", "Latent rows (positions x KV-owning layers) held in "
+                                   "resident device pages (--kv-offload hybrid)", registry=r)
+        self.residency = Histogram("hisparse_request_residency_ratio", "Fraction of a finished request's pages "
+                                   "that were resident on the device", registry=r,
+                                   buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0))
         self._last = KVStats()
         # speculative decoding (vLLM's spec_decode names; all zero when it is off)
         self.spec_drafts = Counter("hisparse_spec_decode_num_drafts", "Verify steps (one per request per step)",
@@ -95,6 +103,9 @@ class Metrics:
         self.pool_usage.set(s.kv_usage)
         self.reserved.set(s.kv_reserved_tokens)
         self.index_bytes.set(s.kv_index_cache_bytes)
+        self.resident_rows.set(s.kv_resident_rows)
+        for v in s.residency:
+            self.residency.observe(v)
         for rank, pool in enumerate(s.kv_ranks):
             self.rank_pool_usage.labels(str(rank)).set(pool.usage_ratio)
             self.rank_pool_used.labels(str(rank)).set(pool.used_tokens)

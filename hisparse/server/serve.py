@@ -74,15 +74,18 @@ def is_loopback(host: str) -> bool:
 def capacity_lines(kv: LatentKV, offload: str, max_model_len: int) -> list[str]:
     """What fits, in the words of vLLM's startup log."""
     cap = kv.token_capacity()
-    where = "host pool" if offload == "hisparse" else "device"
+    where = "device" if offload == "none" else "host pool"
     lines = [f"KV cache ({where}): unbounded; maximum model length {max_model_len:,} tokens"] if cap is None else [
         f"KV cache ({where}) size: {cap:,} tokens",
         f"Maximum concurrency for {max_model_len:,} tokens per request: {cap / max_model_len:.2f}x"]
-    if offload == "hisparse":
+    if offload != "none":
         store = own_store(kv)     # DCP: per rank
         rows = store.n_slots + store.window + store.sinks
         lines.append(f"Device latent rows per request and layer: {rows:,} (hot buffer {store.n_slots:,} + resident "
                      f"window {store.window:,} + sinks {store.sinks:,}), whatever the context length")
+        if store.resident is not None:
+            lines.append(f"Resident pages (hybrid): {store.resident.n_pages:,} device pages of "
+                         f"{store.page_tokens} tokens ({store.arena.page_bytes():,} bytes), shared by all requests")
     return lines
 
 

@@ -1,0 +1,116 @@
+"""Resident pages: device copies of host-pool pages, kept while the device has room (hybrid offload).
+
+The host pool always holds every row (the backup); a host page may also have a device page in the arena's page
+region, and then every selected position on it is read from there, as if all rows were resident. New pages get a
+device page when one is free or when the coldest resident page can be spilled (least recently selected, by the
+step stamp every selection leaves on the device); spilled positions go through the hot-buffer path, and a
+spilled page returns (copied back from the host) once device pages are free again. `slot_of` maps host page ->
+device page on the device (-1: host only); bookkeeping changes reach it with one host -> device copy per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+
+import torch
+
+HOST_ONLY = -1
+
+
+class ResidentPages:
+    """`n_pages` device pages for a host pool of `n_host_pages` pages."""
+
+    def __init__(self, n_pages: int, n_host_pages: int, device: torch.device):
+        self.n_pages, self.device = n_pages, device
+        self.free: list[int] = list(range(n_pages - 1, -1, -1))     # stack: the lowest id first
+        self.dev_of: dict[int, int] = {}                             # host page -> device page
+        self.host_of: dict[int, int] = {}                            # device page -> host page
+        self.owner: dict[int, Hashable] = {}                         # host page -> its request
+        self.slot_of = torch.full((n_host_pages,), HOST_ONLY, dtype=torch.long, device=device)
+        self.stamp = torch.zeros(n_pages + 1, dtype=torch.long, device=device)   # last step selected (+ scratch)
+        self.pending: dict[int, int] = {}                            # host page -> device page or HOST_ONLY
+        self.restamp: dict[int, int] = {}                            # device page -> stamp it starts with
+        self.step = 0                                                # the current step (stamps of new pages)
+        self.spilled_pages = 0                                       # pages spilled so far (a counter)
+        self.readmitted_pages = 0                                    # spilled pages brought back so far
+
+    @property
+    def resident(self) -> int:
+        return len(self.dev_of)
+
+    def place(self, req: Hashable, host_pages: Iterable[int], keep: set[int]) -> None:
+        """Give each new host page of `req` a device page: a free one, else the coldest resident page's outside
+        `keep` (the pages this step writes), which spills. Pages that find none stay host-only."""
+        for h in host_pages:
+            if not self.free and not self.spill_coldest(keep):
+                return
+            self.map(req, h, self.free.pop())
+
+    def spill_coldest(self, keep: set[int]) -> bool:
+        """Spill the least recently selected resident page not in `keep` (ties: the lowest device page). Reads
+        the stamps from the device: this happens only when the device is full and a page is wanted."""
+        stamps = self.stamp[: self.n_pages].tolist()
+        candidates = [(stamps[d], d) for d, h in self.host_of.items() if h not in keep]
+        if not candidates:
+            return False
+        d = min(candidates)[1]
+        self.unmap(self.host_of[d])
+        self.spilled_pages += 1
+        return True
+
+    def readmit(self, req: Hashable, host_pages: Iterable[int]) -> list[tuple[int, int]]:
+        """Bring `req`'s spilled pages back while device pages are free; the (host, device) pages whose rows the
+        caller copies from the host pool."""
+        back = []
+        for h in host_pages:
+            if not self.free:
+                break
+            if h not in self.dev_of:
+                d = self.free.pop()
+                self.map(req, h, d)
+                back.append((h, d))
+        self.readmitted_pages += len(back)
+        return back
+
+    def release(self, host_pages: Iterable[int]) -> None:
+        """The pages of a finished request: their device pages are free again."""
+        for h in host_pages:
+            if h in self.dev_of:
+                self.unmap(h)
+
+    def map(self, req: Hashable, h: int, d: int) -> None:
+        self.dev_of[h], self.host_of[d], self.owner[h] = d, h, req
+        self.pending[h] = d
+        self.restamp[d] = self.step      # a page written or brought back now counts as just used
+
+    def unmap(self, h: int) -> None:
+        d = self.dev_of.pop(h)
+        del self.host_of[d]
+        self.owner.pop(h, None)
+        self.free.append(d)
+        self.pending[h] = HOST_ONLY
+
+    def apply(self) -> None:
+        """Send the step's bookkeeping changes to the device (one copy; nothing when nothing changed)."""
+        if not self.pending:
+            return
+        n = len(self.pending)
+        upd = torch.tensor(list(self.pending.items()) + list(self.restamp.items()), dtype=torch.long)
+        upd = upd.to(self.device)
+        self.slot_of[upd[:n, 0]] = upd[:n, 1]
+        self.stamp[upd[n:, 0]] = upd[n:, 1]
+        self.pending.clear()
+        self.restamp.clear()
+
+    def owned_by(self, req: Hashable) -> int:
+        """Resident pages of one request."""
+        return sum(1 for r in self.owner.values() if r == req)
+
+    def locate(self, pages: torch.Tensor, sel: torch.Tensor, page_tokens: int, step: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """For a selection sel [n, k] (-1 padded) whose positions lie on host pages `pages` [n, k]: which are
+        resident, and their row in the page region (device page * P + position % P); stamps the pages used."""
+        d = self.slot_of[pages]
+        hit = (sel >= 0) & (d >= 0)
+        self.stamp.index_fill_(0, torch.where(hit, d, self.n_pages).flatten(), step)
+        return hit, d.clamp(min=0) * page_tokens + sel.clamp(min=0) % page_tokens

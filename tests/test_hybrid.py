@@ -1,0 +1,133 @@
+"""Hybrid offload: rows stay in resident device pages while the budget has room and spill page by page under
+pressure; every step's logits stay bit-identical to the all-resident store whatever is resident."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hisparse.core.batch import Segment
+from hisparse.core.config import preset_params
+from hisparse.gpu_working_set.resident_pages import HOST_ONLY
+from hisparse.kv.hisparse_kv import HiSparseKV
+from hisparse.kv.resident import ResidentKV
+from hisparse.model.tiny import random_model
+
+PAGE = 16
+CHUNK = 40
+# (step a request joins, its prompt length, the step after which it is released (None: runs to the end))
+SCRIPT = [(0, 120, 14), (2, 90, None), (5, 70, None), (18, 50, None)]
+STEPS = 22
+
+
+@pytest.fixture(scope="module")
+def model():
+    p = preset_params("tiny")
+    p["max_position_embeddings"] = 1 << 16
+    return random_model(p, seed=int(torch.randint(0, 10_000, ()).item()))
+
+
+def hybrid(cfg, layout: str, pages: int | None) -> HiSparseKV:
+    """A small HiSparse store with `pages` resident device pages (None: always offload)."""
+    page_bytes = len(cfg.kv_source_layers) * PAGE * HiSparseKV(cfg, layout, host_pool_gib=0.001,
+                                                               page_tokens=PAGE).layout.row_bytes
+    gib = None if pages is None else pages * page_bytes / (1 << 30)
+    return HiSparseKV(cfg, layout, host_pool_gib=0.004, hot_buffer_tokens=16, resident_window=8, page_tokens=PAGE,
+                      device_kv_gib=gib)
+
+
+def check_invariants(kv: HiSparseKV) -> None:
+    """No page both resident and spilled: the host-side maps are inverse, the device map says the same, free and
+    used device pages add up, and every resident page belongs to a live request's page table."""
+    res = kv.resident
+    assert {d: h for h, d in res.dev_of.items()} == res.host_of
+    assert len(res.free) + len(res.dev_of) == res.n_pages and not set(res.free) & set(res.host_of)
+    want, have = torch.full_like(res.slot_of, HOST_ONLY), res.slot_of.clone()
+    for h, d in res.dev_of.items():
+        want[h] = d
+    for h, d in res.pending.items():     # changes since the last step reach the device with the next one
+        have[h] = d
+    assert torch.equal(have, want)
+    live = {h: r for r, pages in kv.pages.tables.items() for h in pages}
+    assert all(live.get(h) == r for h, r in res.owner.items())
+
+
+def run(model, kvs: list, checks=None) -> list[list[torch.Tensor]]:
+    """Drive every store through SCRIPT in lockstep (tokens chosen greedily from the first store's logits): chunked
+    prefill, decode, joins and releases; each store's logits of every step."""
+    g = torch.Generator().manual_seed(1)
+    prompts = {r: torch.randint(0, model.cfg.vocab_size, (n,), generator=g).tolist()
+               for r, (_, n, _) in enumerate(SCRIPT)}
+    done = {r: 0 for r in prompts}
+    out = [[] for _ in kvs]
+    for step in range(STEPS):
+        live = [r for r, (join, _, end) in enumerate(SCRIPT) if join <= step and (end is None or step <= end)]
+        segs, toks = [], []
+        for r in live:
+            n = min(CHUNK, len(prompts[r]) - done[r]) if done[r] < len(prompts[r]) else 1
+            if done[r] >= len(prompts[r]):
+                done[r] = len(prompts[r]) - 1       # decode: the newest token (appended below) at its position
+            segs.append(Segment(r, done[r], n))
+            toks += prompts[r][done[r]:done[r] + n]
+        logits = [model(torch.tensor(toks), segs, kv) for kv in kvs]
+        for i, lg in enumerate(logits):
+            out[i].append(lg)
+        ends = torch.cumsum(torch.tensor([s.length for s in segs]), 0) - 1
+        for s, row in zip(segs, ends.tolist()):
+            done[s.req] = s.start + s.length
+            if done[s.req] >= len(prompts[s.req]):
+                prompts[s.req].append(int(logits[0][row].argmax()))
+                done[s.req] = len(prompts[s.req])
+        for r, (_, _, end) in enumerate(SCRIPT):
+            if end == step:
+                for kv in kvs:
+                    kv.release(r)
+        if checks is not None:
+            checks(step)
+    return out
+
+
+@pytest.mark.parametrize("layout", ["fp8_ds_mla", "bf16"])
+def test_spill_and_readmission_stay_bit_identical(model, layout):
+    """Six resident pages for up to ~15 pages of live context: joins and growth spill the coldest pages, the
+    release of the first request brings spilled pages back, and every step's logits equal ResidentKV's and the
+    always-offloading store's; the rows' counters add up to the always-offloading store's selections."""
+    kv, always = hybrid(model.cfg, layout, 6), hybrid(model.cfg, layout, None)
+    readmitted = {}
+
+    def checks(step: int) -> None:
+        check_invariants(kv)
+        readmitted[step] = kv.resident.readmitted_pages
+
+    ref, on, off = run(model, [ResidentKV(model.cfg, layout), kv, always], checks)
+    assert all(torch.equal(a, b) for a, b in zip(ref, on)) and all(torch.equal(a, b) for a, b in zip(ref, off))
+    s, t = kv.stats, always.stats
+    assert s.spilled_pages > 0 and s.misses > 0 and s.resident_hits > 0
+    release = SCRIPT[0][2]
+    assert readmitted[release] == 0 < readmitted[STEPS - 1], "the release gave no page back to spilled pages"
+    assert s.resident_hits + s.hits + s.misses == t.hits + t.misses
+    assert s.misses < t.misses
+
+
+def test_room_for_everything_is_all_resident(model):
+    """A budget above every request's pages: nothing spills, nothing misses, every selected row is resident."""
+    kv, always = hybrid(model.cfg, "fp8_ds_mla", 64), hybrid(model.cfg, "fp8_ds_mla", None)
+    ref, on, _ = run(model, [ResidentKV(model.cfg, "fp8_ds_mla"), kv, always], lambda step: check_invariants(kv))
+    assert all(torch.equal(a, b) for a, b in zip(ref, on))
+    s, t = kv.stats, always.stats
+    assert s.spilled_pages == 0 and s.misses == 0 and s.hits == 0 and s.host_to_device_bytes == 0
+    assert s.resident_hits == t.hits + t.misses > 0
+    live = [r for r, (_, _, end) in enumerate(SCRIPT) if end is None]
+    assert all(kv.residency(r) == 1.0 for r in live)
+    assert kv.resident_rows() == sum(kv.pages.pages_of(r) for r in live) * PAGE * len(kv.arena.owners)
+
+
+def test_release_returns_every_device_page(model):
+    kv = hybrid(model.cfg, "fp8_ds_mla", 6)
+    run(model, [kv])
+    for r in list(kv.pages.tables):
+        kv.release(r)
+    kv.begin_step([])
+    kv.end_step()
+    check_invariants(kv)
+    assert kv.resident.resident == 0 and len(kv.resident.free) == 6 and kv.pool.pages_used == 0
