@@ -33,7 +33,7 @@ from .base import LatentKV, RowSource
 from ..gpu_working_set.arena import DeviceArena
 from ..gpu_working_set.copier import Copier
 from ..gpu_working_set.resident_pages import ResidentPages
-from ..gpu_working_set.resolver import EXTRA, KEY_SPAN, NO_KEY, HotSlots, Plan, resolve
+from ..gpu_working_set.resolver import EXTRA, HotSlots, Plan, resolve
 
 if TYPE_CHECKING:
     from ..gpu_working_set.kernels.miss_path_triton import MissPath
@@ -87,6 +87,7 @@ class HiSparseKV(LatentKV):
         self.pool_offsets = {g: torch.tensor([pool.layer_offset(m) for m in ms], dtype=torch.long, device=self.device)
                              for g, ms in self.members.items()}       # where each member's rows start in pool.rows
         self.max_rows = 0       # the most query rows one segment of this step has
+        self.step_context = 0   # positions the step's requests hold in all (the sum of their ends)
         self.step_pool_rows: torch.Tensor | None = None   # step_host_rows on the device (Triton backups)
 
     # ---- capacity ----
@@ -108,6 +109,7 @@ class HiSparseKV(LatentKV):
         self.step_row0 = (torch.cumsum(lengths, 0) - lengths).to(self.device)
         self.step_host_rows = paged_rows(self.tables.host_pages, seg, positions, self.page_tokens)
         self.max_rows = max(query_rows if query_rows is not None else (s.length for s in segments), default=0)
+        self.step_context = sum(s.start + s.length for s in segments)
         if self.kernels == "triton":      # the backup kernel addresses the pool from the device
             self.step_pool_rows = self.step_host_rows.to(self.device)
         self.step += 1
@@ -165,12 +167,18 @@ class HiSparseKV(LatentKV):
         out = (torch.where(hit, -1, sel), hit, prow)
         if cached is None:     # the group's own selection: count its distinct resident positions once
             self.resident_split[group] = (sel, *out)
-            keys = torch.sort(torch.where(hit, seg[:, None] * KEY_SPAN + sel, NO_KEY).flatten()).values
-            first = torch.ones_like(keys, dtype=torch.bool)
-            first[1:] = keys[1:] != keys[:-1]
-            n = len(self.members[group])
-            self.resident_count += n * (first & (keys != NO_KEY)).sum()
+            self.resident_count += len(self.members[group]) * self.distinct(seg, sel, hit)
         return out
+
+    def distinct(self, seg: torch.Tensor, sel: torch.Tensor, hit: torch.Tensor) -> torch.Tensor:
+        """How many distinct (segment, position) pairs the `hit` entries of sel [n, k] name (a device count): one
+        mark per position of the step's contexts, no sort."""
+        ends = self.tables.end
+        base = torch.cumsum(ends, 0) - ends
+        total = self.step_context
+        mark = torch.zeros(total + 1, dtype=torch.bool, device=self.device)
+        mark[torch.where(hit, base[seg][:, None] + sel, total)] = True
+        return mark[:total].sum()
 
     def end_step(self) -> None:
         """Finish the host backups, then move the step's newest rows into the resident windows (one gather and
