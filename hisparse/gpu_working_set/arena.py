@@ -3,7 +3,7 @@ of any request is one index into one tensor (a single gather per layer).
 
 Regions, each addressed through the request's slot r (a per-request slot table in the style of vLLM's block
 table):
-  page[owner]    [page_rows]        resident pages (hybrid offload: `resident_pages.ResidentPages`), fixed size
+  page[owner]    [page_rows]        resident pages (hybrid offload: `resident_pages.ResidentPages`)
   hot[layer]     [R, n_slots]       the layer's hot buffer (LRU metadata per index group: `resolver.HotSlots`)
   window[owner]  [R, W + sinks]     newest W positions (ring, p % W) then the first `sinks` positions
   step[owner]    [step_cap]         the rows this step writes (row i of the step's write = step row i)
@@ -17,10 +17,9 @@ import torch
 
 class DeviceArena:
     def __init__(self, source: dict[int, int], n_slots: int, window: int, sinks: int, row_bytes: int,
-                 device: torch.device, page_rows: int = 0):
-        """source: every attending layer -> the KV-owning layer whose rows it reads; page_rows: rows of each
-        KV owner's resident-page region."""
-        self.source, self.page_rows = dict(source), page_rows
+                 device: torch.device):
+        """source: every attending layer -> the KV-owning layer whose rows it reads."""
+        self.source, self.page_rows = dict(source), 0
         self.layers, self.owners = list(source), sorted(set(source.values()))
         self.n_slots, self.window, self.sinks, self.row_bytes = n_slots, window, sinks, row_bytes
         self.device = device
@@ -62,14 +61,16 @@ class DeviceArena:
                 + [(self.hot_base[l], self.n_slots, self.slots) for l in self.layers]
                 + [(self.win_base[l], self.win_rows, self.slots) for l in self.owners])
 
-    def fit(self, slots: int, step_rows: int) -> None:
-        """Room for `slots` request slots and `step_rows` new rows per step (grows by doubling; keeps contents).
-        Called between steps only: the layer loop never reallocates."""
-        if slots <= self.slots and step_rows <= self.step_cap:
+    def fit(self, slots: int, step_rows: int, page_rows: int = 0) -> None:
+        """Room for `slots` request slots, `step_rows` new rows per step and `page_rows` resident-page rows per KV
+        owner (slots and step rows grow by doubling, page rows exactly; contents kept). Called between steps only:
+        the layer loop never reallocates."""
+        if slots <= self.slots and step_rows <= self.step_cap and page_rows <= self.page_rows:
             return
         old, old_regions = self.data, self.regions()
         self.slots = max(self.slots, slots, 2 * self.slots if slots > self.slots else 0)
         self.step_cap = max(self.step_cap, step_rows, 2 * self.step_cap if step_rows > self.step_cap else 0)
+        self.page_rows = max(self.page_rows, page_rows)
         self._layout()
         self.data = torch.zeros(self.n_rows, self.row_bytes, dtype=torch.uint8, device=self.device)
         for (ob, per, n), (nb, _, _) in zip(old_regions, self.regions()):

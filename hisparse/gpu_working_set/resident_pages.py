@@ -18,11 +18,12 @@ HOST_ONLY = -1
 
 
 class ResidentPages:
-    """`n_pages` device pages for a host pool of `n_host_pages` pages."""
+    """Up to `n_pages` device pages (the budget) for a host pool of `n_host_pages` pages; `allocated` of them
+    exist (the page region grows on demand, by doubling, up to the budget)."""
 
     def __init__(self, n_pages: int, n_host_pages: int, device: torch.device):
-        self.n_pages, self.device = n_pages, device
-        self.free: list[int] = list(range(n_pages - 1, -1, -1))     # stack: the lowest id first
+        self.n_pages, self.device, self.allocated = n_pages, device, 0
+        self.free: list[int] = []                                    # stack: the lowest id first
         self.dev_of: dict[int, int] = {}                             # host page -> device page
         self.host_of: dict[int, int] = {}                            # device page -> host page
         self.owner: dict[int, Hashable] = {}                         # host page -> its request
@@ -38,6 +39,16 @@ class ResidentPages:
     def resident(self) -> int:
         return len(self.dev_of)
 
+    def grow(self, want: int) -> bool:
+        """Allocate device pages towards `want` in all (at least double, at most the budget); whether the
+        count changed (the caller grows the page region to `allocated` pages)."""
+        new = min(self.n_pages, max(want, 2 * self.allocated))
+        if new <= self.allocated:
+            return False
+        self.free = list(range(new - 1, self.allocated - 1, -1)) + self.free
+        self.allocated = new
+        return True
+
     def place(self, req: Hashable, host_pages: Iterable[int], keep: set[int]) -> None:
         """Give each new host page of `req` a device page: a free one, else the coldest resident page's outside
         `keep` (the pages this step writes), which spills. Pages that find none stay host-only."""
@@ -49,7 +60,7 @@ class ResidentPages:
     def spill_coldest(self, keep: set[int]) -> bool:
         """Spill the least recently selected resident page not in `keep` (ties: the lowest device page). Reads
         the stamps from the device: this happens only when the device is full and a page is wanted."""
-        stamps = self.stamp[: self.n_pages].tolist()
+        stamps = self.stamp[: self.allocated].tolist()
         candidates = [(stamps[d], d) for d, h in self.host_of.items() if h not in keep]
         if not candidates:
             return False

@@ -67,7 +67,7 @@ class HiSparseKV(LatentKV):
         self.resident_split: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.resident_count = torch.zeros((), dtype=torch.long, device=self.device)   # this step's resident hits
         self.arena = DeviceArena({l.index: l.kv_source for l in cfg.layers}, n_slots, window, sink_tokens,
-                                 self.layout.row_bytes, self.device, n_pages * page_tokens)
+                                 self.layout.row_bytes, self.device)
         self.hot = {g: HotSlots(n_slots, self.device) for g in cfg.index_owner_layers}
         self.slot_of: dict[Hashable, int] = {}       # request -> its slot in the arena and the hot metadata
         self.free_slots: list[int] = []
@@ -129,6 +129,9 @@ class HiSparseKV(LatentKV):
         res, P, tables = self.resident, self.page_tokens, self.pages.tables
         res.step = self.step
         keep = {h for s in segments for h in tables[s.req][s.start // P: -(-(s.start + s.length) // P)]}
+        wanted = res.resident + sum(len(tables[s.req]) - self.placed.get(s.req, 0) for s in segments)
+        if wanted > res.allocated:
+            self.grow_pages(wanted)
         for s in segments:
             pages = tables[s.req]
             res.place(s.req, pages[self.placed.get(s.req, 0):], keep)
@@ -138,6 +141,11 @@ class HiSparseKV(LatentKV):
             self.copy_back(back)
         res.apply()
         self.stats.spilled_pages = res.spilled_pages
+
+    def grow_pages(self, want: int) -> None:
+        """Allocate resident pages towards `want` (up to the budget) and grow the arena's page region to match."""
+        if self.resident.grow(want):
+            self.arena.fit(self.arena.slots, self.arena.step_cap, self.resident.allocated * self.page_tokens)
 
     def copy_back(self, pages: list[tuple[int, int]]) -> None:
         """Copy the rows of (host page, device page) pairs from the host pool into the page region, every KV
@@ -360,6 +368,8 @@ class HiSparseKV(LatentKV):
     def reserve_device(self, max_seqs: int, max_tokens: int, step_rows: int) -> None:
         super().reserve_device(max_seqs, max_tokens, step_rows)
         self.fit_slots(max_seqs, step_rows)
+        if self.resident is not None:    # every page the limits can use, up to the budget
+            self.grow_pages(max_seqs * self.pages_for(max_tokens))
 
     def device_nbytes(self) -> int:
         pages = 0 if self.resident is None else self.resident.slot_of.nbytes + self.resident.stamp.nbytes
