@@ -4,14 +4,12 @@ echo), /v1/models, /health, /metrics, and vLLM's /tokenize, /detokenize and /ver
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache, partial
 from contextlib import aclosing, asynccontextmanager, suppress
-from dataclasses import dataclass
 from importlib.metadata import version
 from typing import Any
 
@@ -25,8 +23,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from ..engine.engine import Engine
-from ..engine.request import MAX_LOGPROBS, RequestError, RequestOutput
+from ..engine.request import RequestError, RequestOutput
 from .chat import ChatEncoder
+from .config import ServerConfig
 from .engine_client import AsyncEngine, Batch, merge_outputs
 from .errors import APIError, error_body, error_response, validation_error
 from .logprobs import CompletionLogprobs, chat_logprobs, prompt_logprobs
@@ -35,34 +34,15 @@ from .middleware import ApiKeyAuth, BodyGuard, HeaderGuard
 from .output_parser import MarkerIds, OutputParser, ParsedDelta
 from .protocol import (ChatRequest, CompletionRequest, DetokenizeRequest, SamplingFields, TokenizeChatRequest,
                        TokenizeCompletionRequest, Usage, now)
+from .render import render, sse
+
+__all__ = ["ServerConfig", "build_app"]
 
 log = logging.getLogger("hisparse.server")
 COMPLETION_DEFAULT_MAX_TOKENS = 16     # OpenAI's default for /v1/completions
 CHAT_DEFAULT_MAX_TOKENS = 1024         # chat has no OpenAI default; bounded so admission can reserve it
 DISCONNECT_POLL_S = 0.25               # how often a non-streaming request checks that its client is still there
 CLIENT_CLOSED = 499                    # the status of a response nobody is left to read (nginx's convention)
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    model_name: str
-    max_model_len: int
-    api_key: str | None = None
-    debug_hooks: bool = False   # accept `debug_forced_token_ids` (tests of the output parsers)
-    max_request_bytes: int | None = None   # request body limit; None: sized from max_model_len
-    read_timeout_s: float = 30.0           # a request body must arrive within this (headers: connection.py)
-    max_batch_fanout: int = 256            # engine requests per API request (prompts x n)
-    max_logit_bias: int = 1024             # logit_bias entries per request
-    max_logprobs: int = MAX_LOGPROBS       # alternatives per token (logprobs, top_logprobs, prompt_logprobs)
-    max_header_bytes: int = 16384          # request line and headers
-    enable_docs: bool = False              # /docs, /redoc, /openapi.json
-    cpu_workers: int = 4                   # threads for CPU-heavy request work (tokenizing, formatting)
-
-    @property
-    def body_limit(self) -> int:
-        """The request body limit: 1 MiB plus 16 bytes per token of max_model_len (a JSON token-id list takes
-        at most ~8 bytes per token, text a few bytes per token)."""
-        return self.max_request_bytes if self.max_request_bytes is not None else (1 << 20) + 16 * self.max_model_len
 
 
 async def collect(request: Request, outputs: Batch,
@@ -102,51 +82,6 @@ class BatchStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self.batch.aclose()
-
-
-SCALARS_PER_DUMP = 4096    # list elements per json.dumps call when they are numbers or strings
-CONTAINERS_PER_DUMP = 64   # ... when they are lists or dicts (logprob entries)
-
-
-def dumps(obj: Any) -> str:
-    """JSON text of obj, made by many small json.dumps calls: one call holds the GIL for its whole argument (a
-    million-token body: a quarter of a second), and the event loop must get it back within milliseconds."""
-    out: list[str] = []
-
-    def nested(v: Any) -> bool:   # a dict holding containers, or a long list: encoded piece by piece
-        return (isinstance(v, dict) and any(isinstance(x, (dict, list)) for x in v.values())) or (
-            isinstance(v, list) and len(v) > CONTAINERS_PER_DUMP)
-
-    def encode(v: Any) -> None:
-        if isinstance(v, dict) and nested(v):
-            out.append("{")
-            for i, (k, x) in enumerate(v.items()):
-                out.append(("," if i else "") + json.dumps(str(k), ensure_ascii=False) + ":")
-                encode(x)
-            out.append("}")
-        elif isinstance(v, list) and any(nested(x) for x in v[:CONTAINERS_PER_DUMP]):
-            out.append("[")
-            for i, x in enumerate(v):
-                out.append("," if i else "")
-                encode(x)
-            out.append("]")
-        elif isinstance(v, list) and len(v) > CONTAINERS_PER_DUMP:
-            step = CONTAINERS_PER_DUMP if any(isinstance(x, (dict, list)) for x in v) else SCALARS_PER_DUMP
-            out.append("[" + ",".join(json.dumps(v[k:k + step], ensure_ascii=False, allow_nan=False)[1:-1]
-                                      for k in range(0, len(v), step)) + "]")
-        else:
-            out.append(json.dumps(v, ensure_ascii=False, allow_nan=False))
-    encode(obj)
-    return "".join(out)
-
-
-def sse(obj: dict | str) -> str:
-    return f"data: {obj if isinstance(obj, str) else dumps(obj)}\n\n"
-
-
-def render(obj: dict) -> Response:
-    """A JSON response rendered by the caller (in the worker pool: a body of a million tokens takes seconds)."""
-    return Response(dumps(obj).encode(), media_type="application/json")
 
 
 def build_app(engine: Engine, tokenizer: MistralTokenizer, cfg: ServerConfig) -> FastAPI:
