@@ -161,7 +161,17 @@ def build_parser() -> argparse.ArgumentParser:
     from .parallel.group import DEFAULT_TIMEOUT_S
     ap = argparse.ArgumentParser(prog="hisparse", description="Long-context ML4 serving with host-memory sparse KV")
     sub = ap.add_subparsers(dest="cmd", required=True)
+    add_make_tiny(sub)
+    add_generate(sub)
+    add_logits(sub)
+    add_serve(sub, DEFAULT_TIMEOUT_S)
+    add_train_needle(sub)
+    add_train_drafter(sub)
+    return ap
 
+
+def add_make_tiny(sub: argparse._SubParsersAction) -> None:
+    """`make-tiny`: its output folder, size, weight format and seed."""
     p = sub.add_parser("make-tiny", help="write a tiny random Mistral-native ML4 checkpoint")
     p.add_argument("out", help="checkpoint dir to write")
     p.add_argument("--preset", choices=("tiny", "small"), default="tiny", help="model size (default: %(default)s)")
@@ -169,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: %(default)s)")
     p.set_defaults(fn=cmd_make_tiny)
 
+
+def add_generate(sub: argparse._SubParsersAction) -> None:
+    """`generate`: the prompt (text or ids), how much to generate, and the KV and runtime flags."""
     p = sub.add_parser("generate", help="greedy generation for one prompt")
     p.add_argument("--model", default=None, help="checkpoint dir (default: the built-in tiny checkpoint)")
     g = p.add_mutually_exclusive_group(required=True)
@@ -181,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_runtime_args(p)
     p.set_defaults(fn=cmd_generate)
 
+
+def add_logits(sub: argparse._SubParsersAction) -> None:
+    """`logits`: the prompt ids, the output file and the KV row format."""
     p = sub.add_parser("logits", help="full-forward fp32 logits [T, V] of a prompt to a .npy file")
     p.add_argument("--model", default=None, help="checkpoint dir (default: the built-in tiny checkpoint)")
     p.add_argument("--prompt-ids", required=True, help="prompt as comma-separated token ids")
@@ -191,6 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="compute device (default: %(default)s)")
     p.set_defaults(fn=cmd_logits)
 
+
+def add_serve(sub: argparse._SubParsersAction, dcp_timeout: float) -> None:
+    """`serve` (`dcp_timeout`: --dcp-timeout's default): where it listens and what it schedules, then its
+    limits on requests, then parallelism, then the KV and runtime flags."""
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)")
     p.add_argument("--model", default=None, help="checkpoint dir (default: the built-in tiny checkpoint)")
     p.add_argument("--served-model-name", default=None, help="model name clients use (default: the dir name)")
@@ -204,6 +224,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                    help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV}, which keeps "
                         "the key out of the process list)")
+    add_serve_limits(p)
+    add_parallel_args(p, dcp_timeout)
+    KVSettings.add_args(p)
+    add_runtime_args(p)
+    p.set_defaults(fn=cmd_serve)
+
+
+def add_serve_limits(p: argparse.ArgumentParser) -> None:
+    """`serve`'s limits on requests, timeouts and scheduling fairness, and its optional features."""
     p.add_argument("--max-request-bytes", type=int, default=None,
                    help="largest request body accepted, else 413 (default: 1 MiB + 16 B per --max-model-len token)")
     p.add_argument("--read-timeout", type=float, default=30.0,
@@ -235,6 +264,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--debug-hooks", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                    help="uvicorn's log level (default: %(default)s)")
+
+
+def add_parallel_args(p: argparse.ArgumentParser, dcp_timeout: float) -> None:
+    """`serve`'s tensor and decode-context parallelism, and its decode CUDA graphs."""
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="tensor parallelism: rank processes, each with 1/T of the heads, FFNs, vocabulary and routed "
                         "experts; this process is rank 0 and starts the others (or run under torchrun "
@@ -246,17 +279,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "without -tp, D rank processes (default: %(default)s)")
     p.add_argument("--dcp-interleave", type=int, default=1,
                    help="DCP: consecutive tokens per rank (I) (default: %(default)s)")
-    p.add_argument("--dcp-timeout", type=float, default=DEFAULT_TIMEOUT_S,
+    p.add_argument("--dcp-timeout", type=float, default=dcp_timeout,
                    help="DCP: seconds a collective may wait for a peer rank before the server fails "
                         "(default: %(default)s)")
     p.add_argument("--cuda-graph", choices=GRAPH_MODES, default="auto",
                    help="decode steps as piecewise CUDA graphs at bucketed batch sizes (the KV seams run between "
                         "them); auto: on CUDA with the Triton kernels; off: eager, for debugging "
                         "(default: %(default)s)")
-    KVSettings.add_args(p)
-    add_runtime_args(p)
-    p.set_defaults(fn=cmd_serve)
 
+
+def add_train_needle(sub: argparse._SubParsersAction) -> None:
+    """`train-needle`: where to write, resuming, and the evaluation's lengths, samples and hot buffer."""
     p = sub.add_parser("train-needle", help="train the tiny passkey-retrieval ML4 on the CPU and evaluate it")
     p.add_argument("--out", default=TRAINED_CHECKPOINT, help="checkpoint dir to write (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="training seed (default: %(default)s)")
@@ -270,6 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HiSparse hot slots used by the evaluation (default: %(default)s)")
     p.set_defaults(fn=cmd_train_needle)
 
+
+def add_train_drafter(sub: argparse._SubParsersAction) -> None:
+    """`train-drafter`: the checkpoint to train in place (or copy to --out), seed, resuming and steps."""
     p = sub.add_parser("train-drafter", help="train a checkpoint's DSpark drafter by distillation from the target")
     p.add_argument("--model", default=TRAINED_CHECKPOINT, help="checkpoint dir (default: %(default)s)")
     p.add_argument("--out", default=None, help="checkpoint dir to write (default: --model, in place)")
@@ -277,7 +313,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue from the last saved state in --out")
     p.add_argument("--steps", type=int, default=None, help="training steps (default: the recipe's)")
     p.set_defaults(fn=cmd_train_drafter)
-    return ap
 
 
 def main(argv: list[str] | None = None) -> None:

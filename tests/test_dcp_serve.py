@@ -26,8 +26,7 @@ import httpx
 import openai
 import pytest
 import torch
-from serving import free_port, running, wait_healthy
-from test_server import KEY, MAX_MODEL_LEN, Server
+from serving import KEY, MAX_MODEL_LEN, Server, free_port, running, wait_healthy
 
 from hisparse.parallel.context import DCPContext
 from hisparse.parallel.group import RankGroup

@@ -33,7 +33,7 @@ from hisparse.model.tokenizer import load_tokenizer
 from hisparse.model.weights import load_model
 from hisparse.server.metrics import Metrics
 from test_engine import assert_clean
-from test_server import KEY, Server, launch
+from serving import KEY, Server, launch
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 NEW, HOT, WINDOW = 64, 16, 8
@@ -403,8 +403,8 @@ def spec_server(tmp_path_factory: pytest.TempPathFactory):
 
 def test_server_with_speculation(spec_server: Server, tok, seed: int) -> None:
     """Concurrent greedy completions (one prompt 8x the hot buffer) equal plain greedy decoding of each prompt
-    alone (what the server without --speculative-config returns, tests/test_server.py); the draft counters move;
-    seeded sampling is reproducible."""
+    alone (what the server without --speculative-config returns, tests/test_server_completions.py); the draft
+    counters move; seeded sampling is reproducible."""
     log = spec_server.log.read_text()
     assert "Speculative decoding: dspark, 3 draft tokens per step (draft_sample_method greedy)" in log
     g = torch.Generator().manual_seed(seed)

@@ -11,8 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from serving import free_port
-from test_server import KEY, Server, launch
+from serving import KEY, Server, free_port, launch
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV = Path(os.environ.get("VLLM_VENV", ROOT / ".venv-vllm"))

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from serving import free_port
-from test_server import KEY, MAX_MODEL_LEN, Server, launch
+from serving import KEY, MAX_MODEL_LEN, Server, free_port, launch
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from test_sampling_processors import reference_processed
-from test_server import KEY, Server, auth, server  # noqa: F401  (server: the module's fixture)
+from serving import KEY, Server, auth, server  # noqa: F401  (server: the module's fixture)
 
 from hisparse.engine.request import Request, SamplingParams
 from hisparse.model.tokenizer import load_tokenizer

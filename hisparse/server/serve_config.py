@@ -20,7 +20,7 @@ from ..engine.speculative import SpeculativeConfig
 from ..kv.settings import KVSettings, KVSettingsError
 from ..parallel.serve import ParallelConfig
 from ..parallel.tp import check_splits
-from .app import ServerConfig
+from .config import ServerConfig
 
 PARALLEL_FLAGS = {"tp_size": "tensor-parallel-size", "dcp_size": "decode-context-parallel-size"}
 
