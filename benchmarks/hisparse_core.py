@@ -78,7 +78,7 @@ def decode_step_ratio(context: int, steps: int = 16, chunk: int = 2048) -> dict:
     model = random_model(params, seed=0)
     cfg = model.cfg
     prompt = torch.randint(0, cfg.vocab_size, (context,)).tolist()
-    settings = KVSettings(host_pool_gib=2.0)                  # one page size for both stores
+    settings = KVSettings(offload="hisparse", host_pool_gib=2.0)      # one page size for both stores
     kvs = {"resident": replace(settings, offload="none").build(cfg), "hisparse": settings.build(cfg)}
     for name, kv in kvs.items():
         for s in tqdm(range(0, context, chunk), desc=f"prefill {name} {context}", unit="chunk"):
@@ -103,7 +103,7 @@ def device_bytes_vs_context(lengths: list[int]) -> list[dict]:
     cfg = preset("tiny")
     out = []
     for n in tqdm(lengths, desc="device bytes vs context"):
-        kv = KVSettings(host_pool_gib=n * 520 / 2**30 + 0.01, page_tokens=256).build(cfg)
+        kv = KVSettings(offload="hisparse", host_pool_gib=n * 520 / 2**30 + 0.01, page_tokens=256).build(cfg)
         chunk = 1 << 16
         for s in range(0, n, chunk):
             m = min(chunk, n - s)

@@ -84,7 +84,7 @@ def rank_main(group: RankGroup, args: dict) -> dict:
     model = random_model(preset_params("small"), seed=0)
 
     def store() -> LatentKV:
-        return KVSettings(host_pool_gib=args["pool_gib"]).build(model.cfg)
+        return KVSettings(offload="hisparse", host_pool_gib=args["pool_gib"]).build(model.cfg)
 
     dcp = DCPContext(group, args["interleave"])
     out = {"capacity": {mix: capacity(ShardedKV(store(), dcp), lengths) for mix, lengths in MIXES.items()},

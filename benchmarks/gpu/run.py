@@ -67,7 +67,8 @@ def throughput(device: str, size: str, out: Path) -> dict:
 def decode_trace(kernels: str, device: str, prompt_len: int, steps: int, trace: Path) -> dict:
     """HiSparse decode steps of 4 requests under torch.profiler; the trace's JSON at `trace`, the bytes copied."""
     model = random_model(preset_params("small"), 0).to(device)
-    settings = KVSettings(host_pool_gib=4.0, hot_buffer_tokens=256, resident_window=64, kernels=kernels)
+    settings = KVSettings(offload="hisparse", host_pool_gib=4.0, hot_buffer_tokens=256, resident_window=64,
+                          kernels=kernels)
     kv = settings.attach(model)
     eng = Engine(model, kv, SchedulerConfig(max_model_len=prompt_len + 64, max_num_seqs=4,
                                             max_num_batched_tokens=1024))
@@ -96,7 +97,7 @@ def graph_steps(device: str, quick: bool) -> dict:
     cuda = torch.device(device).type == "cuda"
     preset, prompt_len, steps = ("tiny", 64, 2) if quick else ("small", 2048, 16)
     model = random_model(preset_params(preset), 0).to(device)
-    settings = KVSettings(host_pool_gib=4.0, hot_buffer_tokens=256, resident_window=64,
+    settings = KVSettings(offload="hisparse", host_pool_gib=4.0, hot_buffer_tokens=256, resident_window=64,
                           kernels="triton" if cuda else "torch")
     kv = settings.attach(model)      # sets the model's kernel path before the graphs capture it
     graphs = DecodeGraphs(model, 16, capture=cuda)

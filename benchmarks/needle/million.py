@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.tokens < 1 or args.decode < 1 or args.chunk < 1 or args.threads < 1:
         raise SystemExit("--tokens, --decode, --chunk and --threads must be >= 1")
     try:
-        settings = KVSettings.from_args(args)
+        settings = replace(KVSettings.from_args(args), offload="hisparse")
     except KVSettingsError as e:
         raise SystemExit(str(e)) from None
     return run(args, settings)

@@ -44,7 +44,7 @@ def device_limits(model_dir: Path, length: int, budget_requests: int, layout: st
     latent_tok, index_tok = per_token_bytes(cfg, layout)
     none_req = length * (latent_tok + index_tok)
     budget = budget_requests * none_req
-    kv = KVSettings(layout=layout, host_pool_gib=0.5).build(cfg)
+    kv = KVSettings(offload="hisparse", layout=layout, host_pool_gib=0.5).build(cfg)
     eng = Engine(model, kv, SchedulerConfig(max_model_len=length, max_num_seqs=1, max_num_batched_tokens=512))
     seen: dict[str, int] = {}
     prompt = torch.randint(1000, cfg.vocab_size, (length - 8,), generator=torch.Generator().manual_seed(0)).tolist()

@@ -93,7 +93,7 @@ def main() -> None:
         raise SystemExit("profile needs py-spy (the bench extra: pip install -e '.[bench]')")
     torch.set_num_threads(args.threads)
     model = random_model(preset_params(args.preset), 0)
-    kv = KVSettings(host_pool_gib=1.0).build(model.cfg)
+    kv = KVSettings(offload="hisparse", host_pool_gib=1.0).build(model.cfg)
     engine = Engine(model, kv, SchedulerConfig(max_model_len=args.prompt_len + 4096,
                                                max_num_seqs=args.concurrency, max_num_batched_tokens=2048))
     g = torch.Generator().manual_seed(0)

@@ -59,7 +59,7 @@ class HiSparseKV(LatentKV):
         self.pool, self.n_slots, self.window, self.sinks = pool, n_slots, window, sink_tokens
         self.copier = Copier(self.device)
         self.members = {o: [l.index for l in cfg.layers if l.index_source == o] for o in cfg.index_owner_layers}
-        page_bytes = len(cfg.kv_source_layers) * page_tokens * self.layout.row_bytes
+        self.page_bytes = page_bytes = len(cfg.kv_source_layers) * page_tokens * self.layout.row_bytes
         n_pages = 0 if device_kv_gib is None else int(device_kv_gib * (1 << 30)) // page_bytes
         # hybrid: resident pages (None: every row outside the window comes from the host pool)
         self.resident = ResidentPages(n_pages, pool.n_pages, self.device) if n_pages else None
@@ -368,11 +368,11 @@ class HiSparseKV(LatentKV):
     def reserve_device(self, max_seqs: int, max_tokens: int, step_rows: int) -> None:
         super().reserve_device(max_seqs, max_tokens, step_rows)
         self.fit_slots(max_seqs, step_rows)
-        if self.resident is not None:    # every page the limits can use, up to the budget
-            self.grow_pages(max_seqs * self.pages_for(max_tokens))
 
     def device_nbytes(self) -> int:
-        pages = 0 if self.resident is None else self.resident.slot_of.nbytes + self.resident.stamp.nbytes
+        # resident pages count at their budget: the page region grows on demand up to it while serving
+        pages = 0 if self.resident is None else (self.resident.slot_of.nbytes + self.resident.stamp.nbytes
+                                                 + self.resident.n_pages * self.page_bytes - self.arena.page_bytes())
         return (super().device_nbytes() + self.arena.data.nbytes + self.win_lo.nbytes + self.win_len.nbytes + pages
                 + sum(h.pos.nbytes + h.stamp.nbytes for h in self.hot.values()))
 
@@ -380,8 +380,7 @@ class HiSparseKV(LatentKV):
     def device_bytes(self, req: Hashable) -> dict[str, int]:
         """Device memory one request holds, by part (latent = window + hot slots; the rest is metadata)."""
         held = req in self.slot_of
-        page = len(self.arena.owners) * self.page_tokens * self.layout.row_bytes
-        resident = self.resident.owned_by(req) * page if self.resident is not None else 0
+        resident = self.resident.owned_by(req) * self.page_bytes if self.resident is not None else 0
         return {"latent": self.arena.slot_bytes() if held else 0, "resident_pages": resident,
                 "hot_metadata": self.slot_metadata_bytes() if held else 0,
                 "index_keys": self.index_cache_bytes(req)}

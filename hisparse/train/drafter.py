@@ -125,7 +125,7 @@ def prompts(model_dir: Path, recipe: DrafterRecipe) -> list[tuple[list[int], int
 def generate(target: ML4, taps: tuple[int, ...], batch: list[tuple[list[int], int]], eos: int) -> list[Sequence]:
     """Prefill each prompt, then greedy-decode all of them together through ML4.forward over HiSparse KV; a
     passkey answer stops after EOS."""
-    kv = KVSettings(host_pool_gib=0.25).build(target.cfg, target.device, target.dtype)
+    kv = KVSettings(offload="hisparse", host_pool_gib=0.25).build(target.cfg, target.device, target.dtype)
     seqs, nxt = [], []
     for r, (prompt, _) in enumerate(batch):
         ids = torch.tensor(prompt)

@@ -269,7 +269,7 @@ def main(args) -> None:
     """`hisparse train-needle` (args from the CLI)."""
     out = Path(args.out)
     try:     # checked before training: a bad --hot-buffer-tokens fails now, not after the last stage
-        settings = KVSettings(host_pool_gib=0.25, hot_buffer_tokens=args.hot_buffer_tokens)
+        settings = KVSettings(offload="hisparse", host_pool_gib=0.25, hot_buffer_tokens=args.hot_buffer_tokens)
     except KVSettingsError as e:
         raise SystemExit(f"--hot-buffer-tokens: {e.problem}") from None
     if not args.eval_only:
