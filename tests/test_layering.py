@@ -202,3 +202,18 @@ def test_design_layering_table_matches_the_layers():
     table = text[text.index("## Layout and layering"):].split("\n\n")[2]
     named = set(re.findall(r"`([a-z_]+)(?:/|\.py)`", table))
     assert set(RANK) <= named, f"design.md's layering table misses {sorted(set(RANK) - named)}"
+
+
+def test_no_private_override_of_an_engine_class_outside_the_engine():
+    """The engine is extended through EngineHooks: no class outside engine/ that subclasses an engine class
+    defines an underscore method."""
+    bad = []
+    for f in FILES:
+        if part(module_name(f)) == "engine":
+            continue
+        engine_names = {n for t, names, _, _ in imports(f) if t.startswith("hisparse.engine") for n in names}
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ClassDef) and {ast.unparse(b) for b in node.bases} & engine_names:
+                bad += [f"{f.relative_to(ROOT.parent)}:{m.lineno} {node.name}.{m.name}" for m in node.body
+                        if isinstance(m, ast.FunctionDef) and m.name.startswith("_") and not m.name.startswith("__")]
+    assert not bad, "underscore methods overridden outside engine/:\n" + "\n".join(bad)
