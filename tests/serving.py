@@ -106,7 +106,8 @@ def launch(log: Path, *extra: str) -> Iterator[Server]:
     ckpt = builtin_tiny()   # what `hisparse serve` serves by default (cached; prompts are fresh per run)
     port = free_port()
     cmd = [sys.executable, "-m", "hisparse.cli", "serve", "--model", str(ckpt), "--port", str(port),
-           "--api-key", KEY, "--debug-hooks", "--max-model-len", str(MAX_MODEL_LEN), "--host-pool-gib", "0.05",
+           "--api-key", KEY, "--debug-hooks", "--max-model-len", str(MAX_MODEL_LEN), "--kv-offload", "hisparse",
+           "--host-pool-gib", "0.05",
            "--hot-buffer-tokens", str(HOT), "--resident-window", str(WINDOW), "--max-num-seqs", "32",
            "--device", "cpu", "--log-level", "warning", *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1")

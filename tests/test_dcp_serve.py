@@ -93,11 +93,12 @@ def complete_all(server: Server, ps: list[list[int]]) -> list[str]:
 @contextmanager
 def dcp_server(log: Path, *extra: str, healthy: bool = True, ckpt: Path | None = None,
                launcher: tuple[str, ...] = (sys.executable,)) -> Iterator[tuple[Server, subprocess.Popen]]:
-    """`hisparse serve` (`ckpt`, default the built-in tiny checkpoint; HiSparse with a small hot buffer) with `extra`
-    flags, started by `launcher` (python, or torchrun and its flags)."""
+    """`hisparse serve` (`ckpt`, default the built-in tiny checkpoint; always offloading, with a small hot buffer)
+    with `extra` flags, started by `launcher` (python, or torchrun and its flags)."""
     ckpt, port = ckpt or builtin_tiny(), free_port()
     cmd = [*launcher, "-m", "hisparse.cli", "serve", "--model", str(ckpt), "--port", str(port), "--api-key", KEY,
-           "--max-model-len", str(MAX_MODEL_LEN), "--host-pool-gib", str(POOL_GIB), "--hot-buffer-tokens", str(HOT),
+           "--max-model-len", str(MAX_MODEL_LEN), "--kv-offload", "hisparse", "--host-pool-gib", str(POOL_GIB),
+           "--hot-buffer-tokens", str(HOT),
            "--resident-window", str(WINDOW), "--device", "cpu", "--dtype", "float64", "--log-level", "warning",
            "--dcp-timeout", str(TIMEOUT), *extra]
     url = f"http://127.0.0.1:{port}"

@@ -36,7 +36,8 @@ from hisparse.model.weights import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV = Path(os.environ.get("VLLM_VENV", ROOT / ".venv-vllm"))
-EXTRA = {"host_pool_gib": 0.5, "resident_window": 8, "hot_buffer_tokens": 16}   # small window: misses happen
+EXTRA = {"host_pool_gib": 0.5, "resident_window": 8, "hot_buffer_tokens": 16,   # small window: misses happen
+         "kv_offload": "hisparse"}
 STARTUP_S = 420
 
 
@@ -56,7 +57,7 @@ def test_bad_settings_name_the_key(extra, key):
 def test_settings_defaults_and_values():
     s = KVSettings.from_extra_config({"host_pool_gib": 2, "resident_window": 0})
     assert (s.host_pool_gib, s.offload, s.layout, s.hot_buffer_tokens, s.resident_window, s.page_tokens) == \
-        (2.0, "hisparse", "fp8_ds_mla", None, 0, 64)
+        (2.0, "hybrid", "fp8_ds_mla", None, 0, 64)
 
 
 def test_admission_waits_for_room():

@@ -18,16 +18,16 @@ HOST_ONLY = -1
 
 
 class ResidentPages:
-    """Up to `n_pages` device pages (the budget) for a host pool of `n_host_pages` pages; `allocated` of them
-    exist (the page region grows on demand, by doubling, up to the budget)."""
+    """Up to `n_pages` device pages (the budget); `allocated` of them exist (the page region grows on demand, by
+    doubling, up to the budget). The device map covers the host pages handed out so far (`fit`)."""
 
-    def __init__(self, n_pages: int, n_host_pages: int, device: torch.device):
+    def __init__(self, n_pages: int, device: torch.device):
         self.n_pages, self.device, self.allocated = n_pages, device, 0
         self.free: list[int] = []                                    # stack: the lowest id first
         self.dev_of: dict[int, int] = {}                             # host page -> device page
         self.host_of: dict[int, int] = {}                            # device page -> host page
         self.owner: dict[int, Hashable] = {}                         # host page -> its request
-        self.slot_of = torch.full((n_host_pages,), HOST_ONLY, dtype=torch.long, device=device)
+        self.slot_of = torch.full((0,), HOST_ONLY, dtype=torch.long, device=device)   # grown by `fit`
         self.stamp = torch.zeros(n_pages + 1, dtype=torch.long, device=device)   # last step selected (+ scratch)
         self.pending: dict[int, int] = {}                            # host page -> device page or HOST_ONLY
         self.restamp: dict[int, int] = {}                            # device page -> stamp it starts with
@@ -38,6 +38,13 @@ class ResidentPages:
     @property
     def resident(self) -> int:
         return len(self.dev_of)
+
+    def fit(self, host_pages: int) -> None:
+        """Room in the device map for host pages 0 .. host_pages - 1 (grows by doubling; between steps)."""
+        n = self.slot_of.numel()
+        if host_pages > n:
+            grow = max(host_pages, 2 * n) - n
+            self.slot_of = torch.cat((self.slot_of, self.slot_of.new_full((grow,), HOST_ONLY)))
 
     def grow(self, want: int) -> bool:
         """Allocate device pages towards `want` in all (at least double, at most the budget); whether the

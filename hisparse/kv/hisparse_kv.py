@@ -62,7 +62,7 @@ class HiSparseKV(LatentKV):
         self.page_bytes = page_bytes = len(cfg.kv_source_layers) * page_tokens * self.layout.row_bytes
         n_pages = 0 if device_kv_gib is None else int(device_kv_gib * (1 << 30)) // page_bytes
         # hybrid: resident pages (None: every row outside the window comes from the host pool)
-        self.resident = ResidentPages(n_pages, pool.n_pages, self.device) if n_pages else None
+        self.resident = ResidentPages(n_pages, self.device) if n_pages else None
         self.placed: dict[Hashable, int] = {}   # request -> how many of its pages were offered a device page
         self.resident_split: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.resident_count = torch.zeros((), dtype=torch.long, device=self.device)   # this step's resident hits
@@ -128,6 +128,7 @@ class HiSparseKV(LatentKV):
         changes to the device."""
         res, P, tables = self.resident, self.page_tokens, self.pages.tables
         res.step = self.step
+        res.fit(self.pages.high_water)
         keep = {h for s in segments for h in tables[s.req][s.start // P: -(-(s.start + s.length) // P)]}
         wanted = res.resident + sum(len(tables[s.req]) - self.placed.get(s.req, 0) for s in segments)
         if wanted > res.allocated:
@@ -368,6 +369,8 @@ class HiSparseKV(LatentKV):
     def reserve_device(self, max_seqs: int, max_tokens: int, step_rows: int) -> None:
         super().reserve_device(max_seqs, max_tokens, step_rows)
         self.fit_slots(max_seqs, step_rows)
+        if self.resident is not None:
+            self.resident.fit(max_seqs * self.pages_for(max_tokens))
 
     def device_nbytes(self) -> int:
         # resident pages count at their budget: the page region grows on demand up to it while serving
