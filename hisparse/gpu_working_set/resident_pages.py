@@ -124,11 +124,11 @@ class ResidentPages:
         """Resident pages of one request."""
         return sum(1 for r in self.owner.values() if r == req)
 
-    def locate(self, pages: torch.Tensor, sel: torch.Tensor, page_tokens: int, step: int
+    def locate(self, d: torch.Tensor, sel: torch.Tensor, page_tokens: int, step: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """For a selection sel [n, k] (-1 padded) whose positions lie on host pages `pages` [n, k]: which are
-        resident, and their row in the page region (device page * P + position % P); stamps the pages used."""
-        d = self.slot_of[pages]
+        """For a selection sel [n, k] (-1 padded) whose positions lie on device pages d [n, k] (-1: host only):
+        which are resident, and their row in the page region (device page * P + position % P); stamps the pages
+        used."""
         hit = (sel >= 0) & (d >= 0)
         self.stamp.index_fill_(0, torch.where(hit, d, self.n_pages).flatten(), step)
         return hit, d.clamp(min=0) * page_tokens + sel.clamp(min=0) % page_tokens

@@ -66,6 +66,8 @@ class HiSparseKV(LatentKV):
         self.placed: dict[Hashable, int] = {}   # request -> how many of its pages were offered a device page
         self.resident_split: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.resident_count = torch.zeros((), dtype=torch.long, device=self.device)   # this step's resident hits
+        self.seg_pages: torch.Tensor | None = None   # per step: [S, max_pages] device page (-1: host only)
+        self.all_resident = False   # per step: every page of every request of the step is resident
         self.arena = DeviceArena({l.index: l.kv_source for l in cfg.layers}, n_slots, window, sink_tokens,
                                  self.layout.row_bytes, self.device)
         self.hot = {g: HotSlots(n_slots, self.device) for g in cfg.index_owner_layers}
@@ -142,6 +144,8 @@ class HiSparseKV(LatentKV):
             self.copy_back(back)
         res.apply()
         self.stats.spilled_pages = res.spilled_pages
+        self.seg_pages = res.slot_of[self.tables.pages]     # [S, max_pages] device page of each segment's pages
+        self.all_resident = all(h in res.dev_of for s in segments for h in tables[s.req])
 
     def grow_pages(self, want: int) -> None:
         """Allocate resident pages towards `want` (up to the budget) and grow the arena's page region to match."""
@@ -161,23 +165,28 @@ class HiSparseKV(LatentKV):
             a.data.index_copy_(0, a.page_base[owner] + dev, self.copier.to_device(self.pool.layer_view(owner), host))
 
     def split_resident(self, group: int, seg: torch.Tensor, sel: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                       ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """Hybrid: (the selection without its resident positions, which positions are resident, their row in
-        the page region) of an index group's selection; the resolver sees only the first. Without resident
-        pages: (sel, None, None)."""
+        the page region) of an index group's selection; the resolver sees only the first, None when every page of
+        the step's requests is resident (nothing to resolve). Without resident pages: (sel, None, None)."""
         if self.resident is None:
             return sel, None, None
         cached = self.resident_split.get(group)
         if cached is not None and cached[0] is sel:
             return cached[1:]
-        P = self.page_tokens
-        pages = self.tables.pages[seg[:, None].expand_as(sel), sel.clamp(min=0) // P]
-        hit, prow = self.resident.locate(pages, sel, P, self.step)
-        out = (torch.where(hit, -1, sel), hit, prow)
+        hit, prow = self.resident.locate(self.page_of(seg[:, None], sel), sel, self.page_tokens, self.step)
+        out = (None if self.all_resident else torch.where(hit, -1, sel), hit, prow)
         if cached is None:     # the group's own selection: count its distinct resident positions once
             self.resident_split[group] = (sel, *out)
-            self.resident_count += len(self.members[group]) * self.distinct(seg, sel, hit)
+            # one query row per segment (decode): its selections are distinct; otherwise mark them
+            n = hit.sum() if sel.shape[0] == self.step_slot.numel() else self.distinct(seg, sel, hit)
+            self.resident_count += len(self.members[group]) * n
         return out
+
+    def page_of(self, seg: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The device page (-1: host only) of positions of segments `seg` (broadcast together), one flat gather."""
+        width = self.seg_pages.shape[1]
+        return torch.take(self.seg_pages, seg * width + positions.clamp(min=0) // self.page_tokens)
 
     def distinct(self, seg: torch.Tensor, sel: torch.Tensor, hit: torch.Tensor) -> torch.Tensor:
         """How many distinct (segment, position) pairs the `hit` entries of sel [n, k] name (a device count): one
@@ -230,7 +239,7 @@ class HiSparseKV(LatentKV):
         a = self.arena
         a.data[a.step_base[layer]: a.step_base[layer] + data.shape[0]] = data
         if self.resident is not None:    # and into the positions' resident pages
-            d = self.resident.slot_of[self.tables.pages[seg, positions // self.page_tokens]]
+            d = self.page_of(seg, positions)
             dest = a.page_base[layer] + d * self.page_tokens + positions % self.page_tokens
             a.data.index_copy_(0, torch.where(d >= 0, dest, a.scratch_row), data)
         if self.kernels == "triton":      # straight into the pool, ordered before the next step's miss path
@@ -256,6 +265,10 @@ class HiSparseKV(LatentKV):
             return stored
         group = self.cfg.layers[layer].index_source
         rest, hit, prow = self.split_resident(group, seg, sel)
+        a = self.arena
+        if rest is None:     # every row of the step is resident: one index into the page region
+            idx = torch.where(hit, a.page_base[self.source(layer)] + prow, a.zero_row)
+            return lambda lo, hi: self.layout.gather_unpack(a.data, idx[lo:hi], self.dtype)
         plan = self.plans.get(group)
         if plan is None:
             plan = self.plans[group] = self.plan_group(group, seg, rest)
@@ -264,7 +277,6 @@ class HiSparseKV(LatentKV):
         if self.located is None or self.located[0] is not sel:   # members of a group share the selection
             self.located = (sel, plan.locate(seg, rest))
         j = self.located[1]
-        a = self.arena
         idx = (plan.local + a.kind_base[layer][plan.kind])[j]                                  # [n, k]
         if hit is not None:
             idx = torch.where(hit, a.page_base[self.source(layer)] + prow, idx)
@@ -288,12 +300,14 @@ class HiSparseKV(LatentKV):
         rows of every selection; members then read their own."""
         group = self.cfg.layers[layer].index_source
         rest, hit, prow = self.split_resident(group, seg, sel)
+        a = self.arena
+        if rest is None:     # every row of the step is resident: no miss path
+            return a.data, torch.where(hit, a.page_base[self.source(layer)] + prow, -1), None
         if group not in self.kernel_plans:
             self.run_miss_path(group, seg, rest, sel)
         launched, out = self.kernel_plans[group]
         i = self.members[group].index(layer)
         extra = None if out.extra is None else out.extra[i]
-        a = self.arena
         # a member past the narrowed rows (AttentionBatch.narrow_) reads a subset of the planned rows, by key
         idx = out.idx[i] if sel is launched else out.rows_of(seg, rest, a.kind_base[layer], a.data.shape[0])
         if hit is not None:
