@@ -10,7 +10,7 @@ device page on the device (-1: host only); bookkeeping changes reach it with one
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -26,7 +26,6 @@ class ResidentPages:
         self.free: list[int] = []                                    # stack: the lowest id first
         self.dev_of: dict[int, int] = {}                             # host page -> device page
         self.host_of: dict[int, int] = {}                            # device page -> host page
-        self.owner: dict[int, Hashable] = {}                         # host page -> its request
         self.slot_of = torch.full((0,), HOST_ONLY, dtype=torch.long, device=device)   # grown by `fit`
         self.stamp = torch.zeros(n_pages + 1, dtype=torch.long, device=device)   # last step selected (+ scratch)
         self.pending: dict[int, int] = {}                            # host page -> device page or HOST_ONLY
@@ -56,13 +55,13 @@ class ResidentPages:
         self.allocated = new
         return True
 
-    def place(self, req: Hashable, host_pages: Iterable[int], keep: set[int]) -> None:
-        """Give each new host page of `req` a device page: a free one, else the coldest resident page's outside
+    def place(self, host_pages: Iterable[int], keep: set[int]) -> None:
+        """Give each new host page of a request a device page: a free one, else the coldest resident page's outside
         `keep` (the pages this step writes), which spills. Pages that find none stay host-only."""
         for h in host_pages:
             if not self.free and not self.spill_coldest(keep):
                 return
-            self.map(req, h, self.free.pop())
+            self.map(h, self.free.pop())
 
     def spill_coldest(self, keep: set[int]) -> bool:
         """Spill the least recently selected resident page not in `keep` (ties: the lowest device page). Reads
@@ -76,8 +75,8 @@ class ResidentPages:
         self.spilled_pages += 1
         return True
 
-    def readmit(self, req: Hashable, host_pages: Iterable[int]) -> list[tuple[int, int]]:
-        """Bring `req`'s spilled pages back while device pages are free; the (host, device) pages whose rows the
+    def readmit(self, host_pages: Iterable[int]) -> list[tuple[int, int]]:
+        """Bring a request's spilled pages back while device pages are free; the (host, device) pages whose rows the
         caller copies from the host pool."""
         back = []
         for h in host_pages:
@@ -85,7 +84,7 @@ class ResidentPages:
                 break
             if h not in self.dev_of:
                 d = self.free.pop()
-                self.map(req, h, d)
+                self.map(h, d)
                 back.append((h, d))
         self.readmitted_pages += len(back)
         return back
@@ -96,15 +95,14 @@ class ResidentPages:
             if h in self.dev_of:
                 self.unmap(h)
 
-    def map(self, req: Hashable, h: int, d: int) -> None:
-        self.dev_of[h], self.host_of[d], self.owner[h] = d, h, req
+    def map(self, h: int, d: int) -> None:
+        self.dev_of[h], self.host_of[d] = d, h
         self.pending[h] = d
         self.restamp[d] = self.step      # a page written or brought back now counts as just used
 
     def unmap(self, h: int) -> None:
         d = self.dev_of.pop(h)
         del self.host_of[d]
-        self.owner.pop(h, None)
         self.free.append(d)
         self.pending[h] = HOST_ONLY
 
@@ -120,15 +118,14 @@ class ResidentPages:
         self.pending.clear()
         self.restamp.clear()
 
-    def owned_by(self, req: Hashable) -> int:
-        """Resident pages of one request."""
-        return sum(1 for r in self.owner.values() if r == req)
+    def count(self, host_pages: Iterable[int]) -> int:
+        """How many of these host pages (one request's) are resident."""
+        return sum(h in self.dev_of for h in host_pages)
 
-    def locate(self, d: torch.Tensor, sel: torch.Tensor, page_tokens: int, step: int
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def locate(self, d: torch.Tensor, sel: torch.Tensor, page_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """For a selection sel [n, k] (-1 padded) whose positions lie on device pages d [n, k] (-1: host only):
         which are resident, and their row in the page region (device page * P + position % P); stamps the pages
-        used."""
+        used with the current step."""
         hit = (sel >= 0) & (d >= 0)
-        self.stamp.index_fill_(0, torch.where(hit, d, self.n_pages).flatten(), step)
+        self.stamp.index_fill_(0, torch.where(hit, d, self.n_pages).flatten(), self.step)
         return hit, d.clamp(min=0) * page_tokens + sel.clamp(min=0) % page_tokens

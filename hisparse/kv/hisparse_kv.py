@@ -137,9 +137,9 @@ class HiSparseKV(LatentKV):
             self.grow_pages(wanted)
         for s in segments:
             pages = tables[s.req]
-            res.place(s.req, pages[self.placed.get(s.req, 0):], keep)
+            res.place(pages[self.placed.get(s.req, 0):], keep)
             self.placed[s.req] = len(pages)
-        back = [pair for s in segments if res.free for pair in res.readmit(s.req, tables[s.req])]
+        back = [pair for s in segments if res.free for pair in res.readmit(tables[s.req])]
         if back:
             self.copy_back(back)
         res.apply()
@@ -174,7 +174,7 @@ class HiSparseKV(LatentKV):
         cached = self.resident_split.get(group)
         if cached is not None and cached[0] is sel:
             return cached[1:]
-        hit, prow = self.resident.locate(self.page_of(seg[:, None], sel), sel, self.page_tokens, self.step)
+        hit, prow = self.resident.locate(self.page_of(seg[:, None], sel), sel, self.page_tokens)
         out = (None if self.all_resident else torch.where(hit, -1, sel), hit, prow)
         if cached is None:     # the group's own selection: count its distinct resident positions once
             self.resident_split[group] = (sel, *out)
@@ -182,6 +182,11 @@ class HiSparseKV(LatentKV):
             n = hit.sum() if sel.shape[0] == self.step_slot.numel() else self.distinct(seg, sel, hit)
             self.resident_count += len(self.members[group]) * n
         return out
+
+    def on_pages(self, layer: int, hit: torch.Tensor, prow: torch.Tensor, other: torch.Tensor | int) -> torch.Tensor:
+        """Arena rows of a selection: its resident positions' rows in `layer`'s source page region, `other`
+        elsewhere."""
+        return torch.where(hit, self.arena.page_base[self.source(layer)] + prow, other)
 
     def page_of(self, seg: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The device page (-1: host only) of positions of segments `seg` (broadcast together), one flat gather."""
@@ -267,7 +272,7 @@ class HiSparseKV(LatentKV):
         rest, hit, prow = self.split_resident(group, seg, sel)
         a = self.arena
         if rest is None:     # every row of the step is resident: one index into the page region
-            idx = torch.where(hit, a.page_base[self.source(layer)] + prow, a.zero_row)
+            idx = self.on_pages(layer, hit, prow, a.zero_row)
             return lambda lo, hi: self.layout.gather_unpack(a.data, idx[lo:hi], self.dtype)
         plan = self.plans.get(group)
         if plan is None:
@@ -279,7 +284,7 @@ class HiSparseKV(LatentKV):
         j = self.located[1]
         idx = (plan.local + a.kind_base[layer][plan.kind])[j]                                  # [n, k]
         if hit is not None:
-            idx = torch.where(hit, a.page_base[self.source(layer)] + prow, idx)
+            idx = self.on_pages(layer, hit, prow, idx)
         self.stats.hits += plan.n_unique - plan.n_misses
         self.stats.misses += plan.n_misses
         self.stats.host_to_device_bytes += plan.n_misses * self.layout.row_bytes
@@ -302,7 +307,7 @@ class HiSparseKV(LatentKV):
         rest, hit, prow = self.split_resident(group, seg, sel)
         a = self.arena
         if rest is None:     # every row of the step is resident: no miss path
-            return a.data, torch.where(hit, a.page_base[self.source(layer)] + prow, -1), None
+            return a.data, self.on_pages(layer, hit, prow, -1), None
         if group not in self.kernel_plans:
             self.run_miss_path(group, seg, rest, sel)
         launched, out = self.kernel_plans[group]
@@ -311,7 +316,7 @@ class HiSparseKV(LatentKV):
         # a member past the narrowed rows (AttentionBatch.narrow_) reads a subset of the planned rows, by key
         idx = out.idx[i] if sel is launched else out.rows_of(seg, rest, a.kind_base[layer], a.data.shape[0])
         if hit is not None:
-            idx = torch.where(hit, a.page_base[self.source(layer)] + prow, idx)
+            idx = self.on_pages(layer, hit, prow, idx)
         return a.data, idx, extra
 
     def run_miss_path(self, group: int, seg: torch.Tensor, sel: torch.Tensor, launched: torch.Tensor) -> None:
@@ -397,7 +402,7 @@ class HiSparseKV(LatentKV):
     def device_bytes(self, req: Hashable) -> dict[str, int]:
         """Device memory one request holds, by part (latent = window + hot slots; the rest is metadata)."""
         held = req in self.slot_of
-        resident = self.resident.owned_by(req) * self.page_bytes if self.resident is not None else 0
+        resident = self.resident_pages_of(req) * self.page_bytes
         return {"latent": self.arena.slot_bytes() if held else 0, "resident_pages": resident,
                 "hot_metadata": self.slot_metadata_bytes() if held else 0,
                 "index_keys": self.index_cache_bytes(req)}
@@ -413,7 +418,11 @@ class HiSparseKV(LatentKV):
     def residency(self, req: Hashable) -> float:
         """Fraction of a request's pages that are resident (1.0 when nothing of it spilled)."""
         pages = self.pages.pages_of(req)
-        return self.resident.owned_by(req) / pages if self.resident is not None and pages else 0.0
+        return self.resident_pages_of(req) / pages if pages else 0.0
+
+    def resident_pages_of(self, req: Hashable) -> int:
+        """How many of a request's pages are resident."""
+        return 0 if self.resident is None else self.resident.count(self.pages.tables.get(req, ()))
 
     def working_set_bytes(self) -> int:
         """Device bytes one request's working set holds whatever its length: its arena slot and LRU metadata."""
