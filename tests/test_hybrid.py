@@ -3,6 +3,8 @@ pressure; every step's logits stay bit-identical to the all-resident store whate
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -27,13 +29,13 @@ def model():
     return random_model(p, seed=int(torch.randint(0, 10_000, ()).item()))
 
 
-def hybrid(cfg, layout: str, pages: int | None) -> HiSparseKV:
-    """A small HiSparse store with `pages` resident device pages (None: always offload)."""
+def hybrid(cfg, layout: str, pages: int | None, dtype: torch.dtype = torch.float32) -> HiSparseKV:
+    """A small HiSparse store computing in `dtype` with `pages` resident device pages (None: always offload)."""
     page_bytes = len(cfg.kv_source_layers) * PAGE * HiSparseKV(cfg, layout, host_pool_gib=0.001,
                                                                page_tokens=PAGE).layout.row_bytes
     gib = None if pages is None else pages * page_bytes / (1 << 30)
-    return HiSparseKV(cfg, layout, host_pool_gib=0.004, hot_buffer_tokens=16, resident_window=8, page_tokens=PAGE,
-                      device_kv_gib=gib)
+    return HiSparseKV(cfg, layout, "cpu", dtype, host_pool_gib=0.004, hot_buffer_tokens=16, resident_window=8,
+                      page_tokens=PAGE, device_kv_gib=gib)
 
 
 def check_invariants(kv: HiSparseKV) -> None:
@@ -87,19 +89,22 @@ def run(model, kvs: list, checks=None) -> list[list[torch.Tensor]]:
     return out
 
 
-@pytest.mark.parametrize("layout", ["fp8_ds_mla", "bf16"])
-def test_spill_and_readmission_stay_bit_identical(model, layout):
+@pytest.mark.parametrize(("layout", "dtype"), [("fp8_ds_mla", torch.float32), ("bf16", torch.float32),
+                                               ("fp8_ds_mla", torch.bfloat16)], ids=["fp8_ds_mla", "bf16", "bf16-model"])
+def test_spill_and_readmission_stay_bit_identical(model, layout, dtype):
     """Six resident pages for up to ~15 pages of live context: joins and growth spill the coldest pages, the
     release of the first request brings spilled pages back, and every step's logits equal ResidentKV's and the
-    always-offloading store's; the rows' counters add up to the always-offloading store's selections."""
-    kv, always = hybrid(model.cfg, layout, 6), hybrid(model.cfg, layout, None)
+    always-offloading store's (an fp32 and a bf16 model); the rows' counters add up to the always-offloading
+    store's selections."""
+    model = model if dtype == torch.float32 else copy.deepcopy(model).to(dtype)   # the fixture stays fp32
+    kv, always = hybrid(model.cfg, layout, 6, dtype), hybrid(model.cfg, layout, None, dtype)
     readmitted = {}
 
     def checks(step: int) -> None:
         check_invariants(kv)
         readmitted[step] = kv.resident.readmitted_pages
 
-    ref, on, off = run(model, [ResidentKV(model.cfg, layout), kv, always], checks)
+    ref, on, off = run(model, [ResidentKV(model.cfg, layout, dtype=dtype), kv, always], checks)
     assert all(torch.equal(a, b) for a, b in zip(ref, on)) and all(torch.equal(a, b) for a, b in zip(ref, off))
     s, t = kv.stats, always.stats
     assert s.spilled_pages > 0 and s.misses > 0 and s.resident_hits > 0

@@ -58,16 +58,21 @@ def test_hisparse_triton_equals_torch(model, layout: str, index_cache: str, dtyp
 
 
 @needs_kernels
-def test_hybrid_triton_equals_torch(model, seed: int) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_hybrid_triton_equals_torch(model, dtype: torch.dtype, seed: int) -> None:
     """Hybrid offload with three resident pages for a six-page context: resident positions read their pages, the
-    miss path resolves only the spilled ones; the same rows, and the same hits by kind, as the torch path."""
+    miss path resolves only the spilled ones; the same rows, and the same hits by kind, as the torch path (bf16:
+    attention no farther from an fp64 store's than the torch path's)."""
     prompt = torch.randint(0, model.cfg.vocab_size, (90,), generator=torch.Generator().manual_seed(seed)).tolist()
+    model = model if dtype == torch.float32 else random_model(preset_params("tiny"), seed=seed % 10_000).to(DEV, dtype)
     page_bytes = len(model.cfg.kv_source_layers) * 16 * row_layout(model.cfg, "fp8_ds_mla").row_bytes
-    store = lambda kernels: HiSparseKV(model.cfg, "fp8_ds_mla", DEV, torch.float32,  # noqa: E731
-                                       host_pool_gib=0.002, hot_buffer_tokens=10, resident_window=6, page_tokens=16,
-                                       kernels=kernels, device_kv_gib=3 * page_bytes / (1 << 30))
-    kvs = {k: store(k) for k in ("torch", "triton")}
-    lockstep = LockstepKV(kvs["torch"], kvs["triton"])
+    store = lambda kernels, dtype: HiSparseKV(model.cfg, "fp8_ds_mla", DEV, dtype,  # noqa: E731
+                                              host_pool_gib=0.002, hot_buffer_tokens=10, resident_window=6,
+                                              page_tokens=16, kernels=kernels,
+                                              device_kv_gib=3 * page_bytes / (1 << 30))
+    kvs = {k: store(k, dtype) for k in ("torch", "triton")}
+    exact = store("torch", torch.float64) if dtype != torch.float32 else None
+    lockstep = LockstepKV(kvs["torch"], kvs["triton"], exact=exact)
     greedy_generate(model, lockstep, prompt, 8, chunk=40)
     assert lockstep.compared["attend"] == 10 * len(model.layers)
     t, r = kvs["triton"].stats, kvs["torch"].stats
