@@ -89,8 +89,9 @@ def run(model, kvs: list, checks=None) -> list[list[torch.Tensor]]:
     return out
 
 
-@pytest.mark.parametrize(("layout", "dtype"), [("fp8_ds_mla", torch.float32), ("bf16", torch.float32),
-                                               ("fp8_ds_mla", torch.bfloat16)], ids=["fp8_ds_mla", "bf16", "bf16-model"])
+@pytest.mark.parametrize(("layout", "dtype"),
+                         [("fp8_ds_mla", torch.float32), ("bf16", torch.float32), ("fp8_ds_mla", torch.bfloat16)],
+                         ids=["fp8_ds_mla", "bf16", "bf16-model"])
 def test_spill_and_readmission_stay_bit_identical(model, layout, dtype):
     """Six resident pages for up to ~15 pages of live context: joins and growth spill the coldest pages, the
     release of the first request brings spilled pages back, and every step's logits equal ResidentKV's and the
