@@ -81,8 +81,10 @@ class Engine:
             self.speculator = Speculator(speculative, proposer or DSparkDrafter(model), kv, window, self.hooks)
         self.runner = ModelRunner(model, kv, self.speculator.tap_layers if self.speculator else (), graphs,
                                   self.hooks)
+        # a prefix-cache hit still computes the drafter's window of rows (it reads their hidden states)
+        tail = (self.speculator.window or 1) if self.speculator is not None else 1
         self.scheduler = Scheduler(cfg, kv, speculative.num_speculative_tokens if speculative else 0,
-                                   on_preempt=self._preempted)
+                                   on_preempt=self._preempted, recompute_tail=tail)
         self.eos_id, self.decode = eos_id, decode
         self.vocab = model.cfg.vocab_size
         self.on_step: Callable[[StepStats], None] | None = None
@@ -194,6 +196,7 @@ class Engine:
             for o in result.ok:
                 o.req.num_computed += kept[o.index]
                 stats.prompt_tokens += max(0, min(o.req.num_computed, len(o.req.prompt)) - o.segment.start)
+                self.kv.commit_prefix(o.req.id, o.req.token_slice, o.req.num_computed)
             self._prompt_logprobs([o for o in result.ok if o.prompt_logits is not None])
             plain = [o for o in result.ok if o.logits is not None and o.index not in emitted]
             logprobs: dict[int, list[TokenLogprobs]] = {}   # segment index -> its sampled token's logprobs

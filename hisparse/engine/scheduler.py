@@ -6,7 +6,8 @@ newest running request is preempted (vLLM's recompute policy): its KV is freed, 
 queue and, once readmitted, prefills its prompt and the tokens it already generated again, then continues; its
 client sees nothing but a pause. So a long max_tokens never holds room it does not use, and the oldest requests
 always make progress. The head of the queue is admitted once its tokens fit (FIFO, so a long request is not
-starved by short ones); a request that could never fit is rejected at submission. Each step takes one token for
+starved by short ones); a request that could never fit is rejected at submission. With prefix caching a request is
+admitted from its longest cached page-aligned prefix (`LatentKV.admit`) and prefills only the rest. Each step takes one token for
 every decoding request and spends the rest of the token budget on draft tokens (with speculative decoding: a
 decoding request's segment becomes [anchor, d_1..d_n]) and then on prefill chunks, oldest request first.
 
@@ -54,8 +55,9 @@ class Scheduler:
     to max_num_seqs x (1 + N), so a request's drafts never depend on its neighbours)."""
 
     def __init__(self, cfg: SchedulerConfig, kv: LatentKV, num_speculative_tokens: int = 0,
-                 on_preempt: Callable[[Request], None] = lambda req: None):
+                 on_preempt: Callable[[Request], None] = lambda req: None, recompute_tail: int = 1):
         self.cfg, self.kv, self.num_speculative_tokens = cfg, kv, num_speculative_tokens
+        self.recompute_tail = max(1, recompute_tail)   # known tokens a prefix-cache hit still computes
         self.on_preempt = on_preempt      # told after a request's KV is freed by a preemption
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -113,11 +115,21 @@ class Scheduler:
             while req in self.running and not self.kv.reserve(req.id, self.needed(req)):
                 self.preempt(self.running[-1])
 
+    def reusable(self, req: Request) -> list[int]:
+        """The tokens whose cached rows req may start from: none while its prompt logprobs are asked (every prompt
+        row's logits), else all but its last `recompute_tail` known tokens (the last one's logits give the next
+        token; a drafter's window needs the forward's hidden states of the rows it reads)."""
+        if not self.kv.prefix_caching or req.wants_prompt_logits:
+            return []
+        return req.token_slice(0, max(0, req.total_len - self.recompute_tail))
+
     def admit(self) -> None:
         while self.waiting and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[0]
-            if not self.kv.reserve(req.id, self.needed(req)):
+            matched = self.kv.admit(req.id, self.needed(req), self.reusable(req))
+            if matched is None:
                 break
+            req.num_computed = matched
             self.waiting.popleft()
             req.status = Status.RUNNING
             self.running.append(req)

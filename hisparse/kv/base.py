@@ -11,6 +11,12 @@ the same byte layout (`fp8_ds_mla`, `bf16`) or, with layout None, unquantised in
 reference mode for tests). KV-consumer layers read their source layer's rows. Indexer keys always stay on the
 compute device, in one paged store per indexer layer (`IndexKeyStore`: 132-B fp8 records or exact keys)
 addressed by the KV store's page table; every store scores them the same way, so HiSparse on/off select alike.
+
+Prefix caching (`prefix_caching`): full pages stay cached after their request ends (their latent rows wherever
+the store keeps them, and their indexer keys under the same page id), keyed by the chain of their tokens
+(`host_pool.prefix_cache`). `match_prefix` starts a new request from its longest cached page-aligned prefix and
+`commit_prefix` caches a request's pages as they fill; cached pages are evicted only for room (`reserve`,
+`PageTable.ensure`), never from a running request.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from ..host_pool.pages import PageTable, paged_rows
+from ..host_pool.prefix_cache import PrefixCache, page_keys, salt_of
 from ..core.config import ModelConfig
 from .geometry import row_layout
 from .index_cache import IndexKeyStore
@@ -63,6 +70,8 @@ class KVStats:
     steps: int = 0
     resident_hits: int = 0        # selected rows read from resident device pages (hybrid offload)
     spilled_pages: int = 0        # resident pages spilled to make room (hybrid offload)
+    prefix_queries: int = 0       # prompt tokens looked up in the prefix cache
+    prefix_hits: int = 0          # of those, tokens found cached (their prefill skipped)
 
     def snapshot(self) -> "KVStats":
         return KVStats(**{f.name: getattr(self, f.name) for f in fields(self)})
@@ -72,7 +81,8 @@ class KVStats:
         rate = (self.resident_hits + self.hits) / sel if sel else 0.0
         return (f"resident_hits={self.resident_hits} hits={self.hits} misses={self.misses} hit_rate={rate:.3f} "
                 f"h2d={self.host_to_device_bytes}B d2h={self.device_to_host_bytes}B "
-                f"overlapped={self.overlapped_copies} spilled_pages={self.spilled_pages} steps={self.steps}")
+                f"overlapped={self.overlapped_copies} spilled_pages={self.spilled_pages} steps={self.steps} "
+                f"prefix_hits={self.prefix_hits}/{self.prefix_queries}")
 
 
 def sparse_mla(q_lat: torch.Tensor, q_rope: torch.Tensor | None, rows: torch.Tensor, valid: torch.Tensor,
@@ -96,7 +106,7 @@ class LatentKV(ABC):
     """Where latent rows (c || k_rope, width r + dR) and indexer keys live. Positions are absolute positions."""
 
     def __init__(self, cfg: ModelConfig, layout: str | None, device: torch.device | str, dtype: torch.dtype,
-                 pages: PageTable, kernels: str = "torch", index_cache: str = "fp32"):
+                 pages: PageTable, kernels: str = "torch", index_cache: str = "fp32", prefix_caching: bool = False):
         self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
         self.layout = row_layout(cfg, layout) if layout else None
         # 'triton': `select` scores with the Triton indexer kernel and `attend` runs the Triton sparse MLA kernel
@@ -109,6 +119,12 @@ class LatentKV(ABC):
         self.tables: StepTables | None = None
         self.stats = KVStats()
         self.reserved: dict[Hashable, int] = {}   # admission reservations, in tokens (page-rounded)
+        if prefix_caching:
+            pages.cache = PrefixCache()
+        # the root of every key chain: what besides the tokens decides the stored rows and keys
+        self.salt = salt_of(cfg, layout, str(dtype), index_cache, pages.page_tokens)
+        self.chains: dict[Hashable, list[bytes]] = {}   # request -> keys of its full pages known so far
+        self.committed: dict[Hashable, int] = {}        # request -> its pages cached (or matched) so far
 
     def encode(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [T, r + dR] -> the stored form (layout bytes, or the compute dtype when layout is None)."""
@@ -197,11 +213,86 @@ class LatentKV(ABC):
         """Where the selected rows' bytes are, for the Triton kernel: (store [rows, row_bytes] uint8, idx [n, k]
         its rows, -1 where nothing is selected, and extra rows read by an idx >= rows as extra[idx - rows])."""
 
+    # ---- prefix caching ----
+    @property
+    def prefix_caching(self) -> bool:
+        return self.pages.cache is not None
+
+    def admit(self, req: Hashable, n_tokens: int, tokens: Sequence[int] = ()) -> int | None:
+        """Reserve room for n_tokens positions of req (waiting, holding nothing), starting it from the longest
+        cached run of full pages of `tokens` (the tokens whose rows it may reuse): how many tokens it starts from,
+        or None (nothing changed) when it does not fit now."""
+        pages = self.cached_run(req, tokens)
+        if pages:
+            self.pages.share(req, pages)
+        if not self.reserve(req, n_tokens):
+            self.pages.free(req)
+            return None
+        matched = len(pages) * self.page_tokens
+        if self.prefix_caching:
+            self.stats.prefix_queries += len(tokens)
+            self.stats.prefix_hits += matched
+            self.committed[req] = len(pages)
+        if matched:
+            self.attached(req, matched)
+        return matched
+
+    def cached_run(self, req: Hashable, tokens: Sequence[int]) -> list[int]:
+        """The cached pages of the longest run of full pages of `tokens`, from the first ([] without prefix
+        caching); the request's key chain is kept for `commit_prefix`."""
+        if self.pages.cache is None or len(tokens) < self.page_tokens:
+            return []
+        chain = self.chains.get(req, [])
+        n = len(tokens) // self.page_tokens
+        if len(chain) < n:
+            known = len(chain) * self.page_tokens
+            chain = self.chains[req] = chain + page_keys(tokens[known:], self.page_tokens,
+                                                         chain[-1] if chain else self.salt)
+        return self.pages.cache.lookup(chain[:n])
+
+    def attached(self, req: Hashable, n_tokens: int) -> None:
+        """req starts from n_tokens cached positions (its pages are in its table): what the store keeps per request
+        besides its pages follows (HiSparse: the resident window)."""
+
+    def commit_prefix(self, req: Hashable, token_slice: Callable[[int, int], list[int]], n_computed: int) -> None:
+        """Cache the pages of req that its first n_computed positions (rows written) fill; token_slice(start, n)
+        gives its token ids."""
+        if self.pages.cache is None:
+            return
+        P, done = self.page_tokens, n_computed // self.page_tokens
+        first = self.committed.get(req, 0)
+        if done <= first:
+            return
+        chain = self.chains.setdefault(req, [])
+        if len(chain) < done:
+            known = len(chain) * P
+            chain += page_keys(token_slice(known, done * P - known), P, chain[-1] if chain else self.salt)
+        table = self.pages.tables[req]
+        for i in range(first, done):
+            self.pages.cache.add(chain[i], table[i])
+        self.committed[req] = done
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached page (parked pages are freed; held ones are no longer cached); how many were."""
+        cache = self.pages.cache
+        if cache is None:
+            return 0
+        n = len(cache)
+        self.pages.evict(self.pages.parked_pages)
+        cache.forget_held()
+        return n
+
+    def cached_pages(self) -> int:
+        """Pages the prefix cache holds (whether or not a request holds them too)."""
+        return len(self.pages.cache) if self.pages.cache is not None else 0
+
     # ---- request lifecycle ----
     def release(self, req: Hashable) -> None:
-        """Free every row, key and slot the request holds."""
+        """Free every row, key and slot the request holds (cached pages stay cached)."""
         self.pages.free(req)
         self.reserved.pop(req, None)
+        self.chains.pop(req, None)
+        self.committed.pop(req, None)
 
     def truncate(self, req: Hashable, length: int) -> None:
         """Forget positions >= length (speculative rollback): no later gather may see their old rows.
@@ -254,9 +345,9 @@ class LatentKV(ABC):
         return self.pages_for(n_tokens) * self.page_tokens
 
     def tokens_unreserved(self) -> int | None:
-        """Tokens still free for new reservations (None: unbounded)."""
+        """Tokens still free for new reservations, parked cached pages not counted (None: unbounded)."""
         cap = self.token_capacity()
-        return None if cap is None else cap - sum(self.reserved.values())
+        return None if cap is None else cap - sum(self.reserved.values()) - self.pages.parked_pages * self.page_tokens
 
     def can_ever_admit(self, n_tokens: int) -> bool:
         cap = self.token_capacity()
@@ -269,8 +360,10 @@ class LatentKV(ABC):
         need = self._rounded(n_tokens) - self.reserved.get(req, 0)
         if need <= 0:
             return True
-        if free is not None and need > free:
-            return False
+        if free is not None and need > free:   # evict cached pages nobody holds, if that makes room
+            if need > free + self.pages.parked_pages * self.page_tokens:
+                return False
+            self.pages.evict(-(-(need - free) // self.page_tokens))
         self.reserved[req] = self.reserved.get(req, 0) + need
         return True
 

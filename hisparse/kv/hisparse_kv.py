@@ -47,7 +47,7 @@ class HiSparseKV(LatentKV):
                  dtype: torch.dtype = torch.float32, host_pool_gib: float = 4.0,
                  hot_buffer_tokens: int | None = None, resident_window: int | None = None,
                  sink_tokens: int = DEFAULT_SINKS, page_tokens: int = 64, kernels: str = "torch",
-                 index_cache: str = "fp32", device_kv_gib: float | None = None):
+                 index_cache: str = "fp32", device_kv_gib: float | None = None, prefix_caching: bool = False):
         if layout is None:
             raise ValueError("kv_layout: HiSparse stores packed rows; choose 'fp8_ds_mla' or 'bf16'")
         n_slots = hot_buffer_tokens if hot_buffer_tokens is not None else 2 * cfg.index_topk
@@ -55,7 +55,7 @@ class HiSparseKV(LatentKV):
         if n_slots < 0 or window < 0 or sink_tokens < 0:
             raise ValueError("hot_buffer_tokens, resident_window and sink tokens must be >= 0")
         pool = HostPool(row_layout(cfg, layout), cfg.kv_source_layers, host_pool_gib, page_tokens)
-        super().__init__(cfg, layout, device, dtype, pool.pages, kernels, index_cache)
+        super().__init__(cfg, layout, device, dtype, pool.pages, kernels, index_cache, prefix_caching)
         self.pool, self.n_slots, self.window, self.sinks = pool, n_slots, window, sink_tokens
         self.copier = Copier(self.device)
         self.members = {o: [l.index for l in cfg.layers if l.index_source == o] for o in cfg.index_owner_layers}
@@ -100,8 +100,7 @@ class HiSparseKV(LatentKV):
     def begin_step(self, segments: Sequence, query_rows: Sequence[int] | None = None) -> None:
         super().begin_step(segments, query_rows)   # pages first: an exhausted pool fails before any row is written
         for seg in segments:
-            if seg.req not in self.slot_of:
-                self.slot_of[seg.req] = self.free_slots.pop() if self.free_slots else len(self.slot_of)
+            self.slot_for(seg.req)
         self.fit_slots(max(self.slot_of.values(), default=-1) + 1, sum(s.length for s in segments))
         self.step_slot = torch.tensor([self.slot_of[s.req] for s in segments], dtype=torch.long, device=self.device)
         # write() receives the step's rows in this flat order (segment by segment, positions ascending), so their
@@ -132,7 +131,7 @@ class HiSparseKV(LatentKV):
         res.step = self.step
         res.fit(self.pages.high_water)
         keep = {h for s in segments for h in tables[s.req][s.start // P: -(-(s.start + s.length) // P)]}
-        wanted = res.resident + sum(len(tables[s.req]) - self.placed.get(s.req, 0) for s in segments)
+        wanted = res.resident + len({h for s in segments for h in tables[s.req] if h not in res.dev_of})
         if wanted > res.allocated:
             self.grow_pages(wanted)
         for s in segments:
@@ -154,15 +153,36 @@ class HiSparseKV(LatentKV):
 
     def copy_back(self, pages: list[tuple[int, int]]) -> None:
         """Copy the rows of (host page, device page) pairs from the host pool into the page region, every KV
-        owner. Only after a spill, when pages free up: rare, so the wait for the host backups is acceptable."""
-        if self.kernels == "triton" and self.device.type == "cuda":   # backups are written by device kernels
-            torch.cuda.current_stream(self.device).synchronize()
-        P, a = self.page_tokens, self.arena
+        owner. Only after a spill or a prefix-cache hit, when pages free up: rare, so the wait for the host
+        backups is acceptable."""
+        P = self.page_tokens
         within = torch.arange(P)
         host = torch.cat([h * P + within for h, _ in pages])
         dev = torch.cat([d * P + within for _, d in pages]).to(self.device)
+        self.load_rows(host, self.arena.page_base, dev)
+
+    def load_rows(self, host_rows: torch.Tensor, base: dict[int, int], dest: torch.Tensor) -> None:
+        """Copy host-pool rows host_rows [n] (a layer view's rows) of every KV owner to arena rows base[owner] +
+        dest [n]."""
+        if self.kernels == "triton" and self.device.type == "cuda":   # backups are written by device kernels
+            torch.cuda.current_stream(self.device).synchronize()
+        a = self.arena
         for owner in a.owners:
-            a.data.index_copy_(0, a.page_base[owner] + dev, self.copier.to_device(self.pool.layer_view(owner), host))
+            a.data.index_copy_(0, base[owner] + dest, self.copier.to_device(self.pool.layer_view(owner), host_rows))
+
+    def attached(self, req: Hashable, n_tokens: int) -> None:
+        """A request starting from n_tokens cached positions: its sinks and resident window come from the host
+        pool (the resolver reads positions < sinks and in [lo, len) from there); its cached pages are not
+        offered new device pages (nothing writes them), they come back through `readmit` while pages are free."""
+        slot = self.slot_for(req)
+        self.fit_slots(slot + 1, self.arena.step_cap)
+        ends = (min(self.sinks, n_tokens), max(self.sinks, n_tokens - self.window))
+        pos = torch.cat((torch.arange(ends[0]), torch.arange(ends[1], n_tokens)))
+        rows = paged_rows(self.pages.page_ids[req][None], torch.zeros_like(pos), pos, self.page_tokens)
+        self.load_rows(rows, self.arena.win_base, self.arena.window_index(torch.tensor(slot), pos).to(self.device))
+        self.win_len[slot] = n_tokens
+        self.win_lo[slot] = max(0, n_tokens - self.window)
+        self.placed[req] = self.pages.pages_of(req)
 
     def split_resident(self, group: int, seg: torch.Tensor, sel: torch.Tensor
                        ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
@@ -363,8 +383,8 @@ class HiSparseKV(LatentKV):
             h.clear(slot, length)
 
     def release(self, req: Hashable) -> None:
-        if self.resident is not None:
-            self.resident.release(self.pages.tables.get(req, ()))
+        if self.resident is not None:   # pages another request still holds stay resident
+            self.resident.release(self.pages.held_only_by(req))
             self.placed.pop(req, None)
         super().release(req)
         slot = self.slot_of.pop(req, None)
@@ -374,6 +394,12 @@ class HiSparseKV(LatentKV):
             self.win_lo[slot] = 0
             self.win_len[slot] = 0
             self.free_slots.append(slot)
+
+    def slot_for(self, req: Hashable) -> int:
+        """The request's slot in the arena and the hot metadata (a free one on its first call)."""
+        if req not in self.slot_of:
+            self.slot_of[req] = self.free_slots.pop() if self.free_slots else len(self.slot_of)
+        return self.slot_of[req]
 
     def fit_slots(self, slots: int, step_rows: int) -> None:
         """Room for `slots` request slots and `step_rows` new rows per step in the arena and the slot metadata."""

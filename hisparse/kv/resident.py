@@ -17,9 +17,9 @@ class ResidentKV(LatentKV):
 
     def __init__(self, cfg: ModelConfig, layout: str | None = "fp8_ds_mla", device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, budget_tokens: int | None = None, page_tokens: int = 16,
-                 kernels: str = "torch", index_cache: str = "fp32"):
+                 kernels: str = "torch", index_cache: str = "fp32", prefix_caching: bool = False):
         super().__init__(cfg, layout, device, dtype, PageTable(0, page_tokens, growable=True, name="device KV"),
-                         kernels, index_cache)
+                         kernels, index_cache, prefix_caching)
         self.rows = PagedStore(cfg.kv_owner_layers, self.stored_width, self.stored_dtype, self.device, page_tokens)
         self.budget_tokens = budget_tokens   # device-memory budget in tokens (None: unbounded)
 
