@@ -39,6 +39,8 @@ BAD = [
     ("host_pool_gib", math.nan, "must be a positive number of GiB, got nan"),
     ("device_kv_gib", 0, "must be a positive number of GiB, got 0"),
     ("device_kv_gib", "2", "must be a positive number of GiB, got '2'"),
+    ("enable_prefix_caching", "yes", "must be true or false, got 'yes'"),
+    ("enable_prefix_caching", 1, "must be true or false, got 1"),
     ("hot_buffer_tokens", -1, "must be an integer >= 0, got -1"),
     ("hot_buffer_tokens", True, "must be an integer >= 0, got True"),
     ("hot_buffer_tokens", 2.0, "must be an integer >= 0, got 2.0"),
@@ -103,7 +105,7 @@ def test_extra_config_requires_the_pool_and_lists_unknown_keys() -> None:
     with pytest.raises(KVSettingsError) as e:
         KVSettings.from_extra_config({"host_pool_gib": 1, "pool": 2, "offload": "none"})
     assert str(e.value) == ("kv_connector_extra_config: unknown key(s) ['offload', 'pool']; HiSparseConnector "
-                            "accepts ['device_kv_gib', 'host_pool_gib', 'hot_buffer_tokens', 'index_cache', "
+                            "accepts ['device_kv_gib', 'enable_prefix_caching', 'host_pool_gib', 'hot_buffer_tokens', 'index_cache', "
                             "'kernels', 'kv_layout', 'kv_offload', 'page_tokens', 'resident_window']")
     with pytest.raises(KVSettingsError) as e:
         KVSettings.from_extra_config({"host_pool_gib": -1})

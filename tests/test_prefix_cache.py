@@ -89,3 +89,94 @@ def test_hit_is_bit_identical_to_miss(model, kind: str, layout: str) -> None:
     assert kv.stats.prefix_hits == 7 * PAGE
     assert kv.stats.prefix_queries == sum(len(t) - 1 for t in (doc + q1, doc + q2, c))
     assert kv.pages.pages_used == kv.cached_pages() and not kv.pages.refs
+
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+
+def gib(cfg, pages: int, device: bool = False) -> float:
+    """GiB of `pages` pages of the host pool (device: of resident device pages)."""
+    probe = HiSparseKV(cfg, "fp8_ds_mla", host_pool_gib=0.001, page_tokens=PAGE)
+    return pages * (probe.page_bytes if device else probe.pool.page_bytes) / (1 << 30)
+
+
+def engine(model, kv, seqs: int = 4) -> Engine:
+    return Engine(model, kv, SchedulerConfig(max_model_len=512, max_num_seqs=seqs, max_num_batched_tokens=64))
+
+
+def documents(model, n_docs: int, doc_len: int, questions: int, seed: int = 3) -> list[list[int]]:
+    """`questions` prompts over each of n_docs documents: the document, then a 5- to 20-token question."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n_docs):
+        doc = torch.randint(0, model.cfg.vocab_size, (doc_len,), generator=g).tolist()
+        out += [doc + torch.randint(0, model.cfg.vocab_size, (int(torch.randint(5, 21, (), generator=g)),),
+                                    generator=g).tolist() for _ in range(questions)]
+    return out
+
+
+def run_waves(model, kv, waves: list[list[list[int]]], seqs: int = 4) -> list[list[int]]:
+    """Each wave's prompts run concurrently, the waves one after another; every request's output tokens."""
+    e = engine(model, kv, seqs)
+    return [r.output for wave in waves for r in e.generate(wave, GREEDY)]
+
+
+def test_engine_hits_shared_pages_and_returns_the_pool(model) -> None:
+    """Questions over two documents, one alone, then three at once (sharing the cached pages): the tokens equal
+    a server's without the cache, concurrent requests hold the same pages, and once every request ends the pool
+    holds exactly the cache's pages."""
+    ps = documents(model, 2, 70, 3)
+    waves = [[ps[0]], [ps[1], ps[2], ps[3]], [ps[4], ps[5]]]
+    kv = store(model.cfg, "spilling", "fp8_ds_mla", caching=True)
+    shared = []
+    kv_admit = kv.admit
+
+    def admit(req, n, tokens=()):
+        out = kv_admit(req, n, tokens)
+        shared.append(max(kv.pages.refs.values(), default=0))
+        return out
+    kv.admit = admit
+    got = run_waves(model, kv, waves)
+    assert got == run_waves(model, store(model.cfg, "spilling", "fp8_ds_mla", caching=False), waves)
+    assert kv.stats.prefix_hits == 4 * (70 // PAGE) * PAGE      # ps[1], ps[2]: ps[0]'s document; ps[4], ps[5]: ps[3]'s
+    assert max(shared) >= 2, "no cached page was held by two requests at once"
+    assert kv.pages.pages_used == kv.cached_pages() > 0 and not kv.pages.refs and not kv.reserved
+
+
+def test_eviction_under_pool_pressure_keeps_running_requests(model) -> None:
+    """A 14-page pool: two documents' pages stay cached after their requests, then two requests of other prompts
+    need the room: parked pages are evicted least recently used first, a document's last pages before its first
+    (never a page a running request holds); tokens equal the cache-off server's, and a later question over the
+    second document finds what is left of it."""
+    cfg = model.cfg
+    ps = documents(model, 4, 60, 1, seed=5)
+    waves = [[ps[0]], [ps[1]], [ps[2], ps[3]], [ps[1][:60] + ps[0][60:]]]
+
+    def small(caching: bool) -> HiSparseKV:
+        return HiSparseKV(cfg, "fp8_ds_mla", host_pool_gib=gib(cfg, 14), hot_buffer_tokens=16,
+                          resident_window=8, page_tokens=PAGE, device_kv_gib=gib(cfg, 4, device=True),
+                          prefix_caching=caching)
+    kv = small(True)
+    got = run_waves(model, kv, waves)
+    assert got == run_waves(model, small(False), waves)
+    assert kv.pool.n_pages == 14 and kv.stats.prefix_hits == 3 * PAGE    # ps[1]'s first three pages were left
+    assert kv.admit("probe", 100, ps[0][:-1]) == 0, "ps[0]'s pages (the least recently used) were not evicted"
+    kv.release("probe")
+    assert kv.pages.pages_used == kv.cached_pages() and not kv.pages.refs
+
+
+def test_preempted_request_recomputes_from_its_cached_pages(model) -> None:
+    """A resident store too small for every request's growth: the newest request is preempted, its full pages
+    stay cached, and when it is readmitted it starts from them; tokens equal those of the cache-off store."""
+    ps = documents(model, 3, 64, 1, seed=9)     # lengths fixed (ignore_eos): the same preemptions whatever the model
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+
+    def run(caching: bool) -> tuple[list[list[int]], ResidentKV, Engine]:
+        kv = ResidentKV(model.cfg, "fp8_ds_mla", budget_tokens=10 * PAGE, page_tokens=PAGE, prefix_caching=caching)
+        e = engine(model, kv)
+        return [r.output for r in e.generate(ps, params)], kv, e
+
+    (got, kv, e), (want, _, _) = run(True), run(False)
+    assert got == want
+    assert e.scheduler.num_preemptions > 0 and kv.stats.prefix_hits >= 4 * PAGE
+    assert kv.pages.pages_used == kv.cached_pages() and not kv.pages.refs

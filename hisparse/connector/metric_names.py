@@ -14,7 +14,8 @@ GAUGES = ("host_pool_usage", "host_pool_reserved_tokens", "host_pool_capacity_to
           "live_requests")
 PREFIX = "hisparse_"
 # Names shared with `hisparse serve`'s /metrics, so one dashboard reads both.
-METRIC_NAMES = {"hits": "cache_hits", "misses": "cache_misses", "host_pool_usage": "host_pool_usage_ratio"}
+METRIC_NAMES = {"hits": "cache_hits", "misses": "cache_misses", "host_pool_usage": "host_pool_usage_ratio",
+                "prefix_queries": "prefix_cache_queries", "prefix_hits": "prefix_cache_hits"}
 
 
 def metric_name(key: str) -> str:

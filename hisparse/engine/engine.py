@@ -18,6 +18,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -142,6 +143,12 @@ class Engine:
         """Cancel a request; its pages and slots are freed at the start of the next step."""
         self.inbox.put(("abort", request_id))
 
+    def reset_prefix_cache(self) -> Future:
+        """Drop every cached page, on the engine thread; the future gets how many pages were cached."""
+        done: Future = Future()
+        self.inbox.put(("reset_prefix_cache", done))
+        return done
+
     def fail_all(self, message: str) -> None:
         """End every request submitted so far with finish reason 'error' and `message` (a bounded shutdown)."""
         self.inbox.put(("fail_all", message))
@@ -166,6 +173,8 @@ class Engine:
                     self.scheduler.add(req)
             elif kind == "abort" and arg in self.requests:
                 self._finish(self.requests[arg], "abort")
+            elif kind == "reset_prefix_cache":
+                arg.set_result(self.kv.reset_prefix_cache())
             elif kind == "fail_all":
                 for req in list(self.requests.values()):
                     self._finish(req, "error", error=arg)

@@ -213,64 +213,75 @@ class LatentKV(ABC):
         """Where the selected rows' bytes are, for the Triton kernel: (store [rows, row_bytes] uint8, idx [n, k]
         its rows, -1 where nothing is selected, and extra rows read by an idx >= rows as extra[idx - rows])."""
 
-    # ---- prefix caching ----
+    # ---- prefix caching: in units of `prefix_unit` tokens, each filling `unit_pages` whole pages ----
     @property
     def prefix_caching(self) -> bool:
         return self.pages.cache is not None
 
+    @property
+    def prefix_unit(self) -> int:
+        """Tokens per cache unit (a page; a DCP shard: a block whose share fills whole pages on every rank)."""
+        return self.page_tokens
+
+    @property
+    def unit_pages(self) -> int:
+        """Pages of this store one cache unit fills."""
+        return 1
+
+    def unit_page_keys(self, keys: Sequence[bytes]) -> list[bytes]:
+        """The keys of the pages of cache units `keys` (`unit_pages` per unit, in order)."""
+        return list(keys)
+
     def admit(self, req: Hashable, n_tokens: int, tokens: Sequence[int] = ()) -> int | None:
         """Reserve room for n_tokens positions of req (waiting, holding nothing), starting it from the longest
-        cached run of full pages of `tokens` (the tokens whose rows it may reuse): how many tokens it starts from,
-        or None (nothing changed) when it does not fit now."""
-        pages = self.cached_run(req, tokens)
-        if pages:
-            self.pages.share(req, pages)
+        cached run of whole cache units of `tokens` (the tokens whose rows it may reuse): how many tokens it
+        starts from, or None (nothing changed) when it does not fit now."""
+        chain = self.unit_chain(req, len(tokens) // self.prefix_unit, lambda s, n: list(tokens[s:s + n]))
+        m = self.unit_pages
+        pages = self.pages.cache.lookup(self.unit_page_keys(chain)) if chain else []
+        units = len(pages) // m
+        if units:
+            self.pages.share(req, pages[:units * m])
         if not self.reserve(req, n_tokens):
             self.pages.free(req)
             return None
-        matched = len(pages) * self.page_tokens
         if self.prefix_caching:
             self.stats.prefix_queries += len(tokens)
-            self.stats.prefix_hits += matched
-            self.committed[req] = len(pages)
-        if matched:
-            self.attached(req, matched)
-        return matched
+            self.stats.prefix_hits += units * self.prefix_unit
+            self.committed[req] = units
+        if units:
+            self.attached(req, units * self.prefix_unit, chain[:units])
+        return units * self.prefix_unit
 
-    def cached_run(self, req: Hashable, tokens: Sequence[int]) -> list[int]:
-        """The cached pages of the longest run of full pages of `tokens`, from the first ([] without prefix
-        caching); the request's key chain is kept for `commit_prefix`."""
-        if self.pages.cache is None or len(tokens) < self.page_tokens:
+    def unit_chain(self, req: Hashable, n: int, token_slice: Callable[[int, int], list[int]]) -> list[bytes]:
+        """The keys of req's first n cache units ([] without prefix caching); its chain is kept, and extended from
+        token_slice(start, n) (its token ids) where it is shorter."""
+        if self.pages.cache is None:
             return []
-        chain = self.chains.get(req, [])
-        n = len(tokens) // self.page_tokens
+        U, chain = self.prefix_unit, self.chains.setdefault(req, [])
         if len(chain) < n:
-            known = len(chain) * self.page_tokens
-            chain = self.chains[req] = chain + page_keys(tokens[known:], self.page_tokens,
-                                                         chain[-1] if chain else self.salt)
-        return self.pages.cache.lookup(chain[:n])
+            known = len(chain) * U
+            chain += page_keys(token_slice(known, n * U - known), U, chain[-1] if chain else self.salt)
+        return chain[:n]
 
-    def attached(self, req: Hashable, n_tokens: int) -> None:
-        """req starts from n_tokens cached positions (its pages are in its table): what the store keeps per request
-        besides its pages follows (HiSparse: the resident window)."""
+    def attached(self, req: Hashable, n_tokens: int, keys: list[bytes]) -> None:
+        """req starts from its first n_tokens positions, cached (units `keys`; their pages are in its table): what
+        the store keeps per request besides its pages follows (HiSparse: the resident window)."""
 
     def commit_prefix(self, req: Hashable, token_slice: Callable[[int, int], list[int]], n_computed: int) -> None:
-        """Cache the pages of req that its first n_computed positions (rows written) fill; token_slice(start, n)
+        """Cache the units of req that its first n_computed positions (rows written) fill; token_slice(start, n)
         gives its token ids."""
-        if self.pages.cache is None:
-            return
-        P, done = self.page_tokens, n_computed // self.page_tokens
-        first = self.committed.get(req, 0)
-        if done <= first:
-            return
-        chain = self.chains.setdefault(req, [])
-        if len(chain) < done:
-            known = len(chain) * P
-            chain += page_keys(token_slice(known, done * P - known), P, chain[-1] if chain else self.salt)
-        table = self.pages.tables[req]
-        for i in range(first, done):
-            self.pages.cache.add(chain[i], table[i])
-        self.committed[req] = done
+        first, done = self.committed.get(req, 0), n_computed // self.prefix_unit
+        if self.pages.cache is not None and done > first:
+            self.cache_units(req, first, self.unit_chain(req, done, token_slice)[first:])
+
+    def cache_units(self, req: Hashable, first: int, keys: list[bytes]) -> None:
+        """Cache req's units first, first + 1, ... (keys `keys`) under their pages in its table."""
+        m = self.unit_pages
+        table = self.pages.tables[req][first * m:]
+        for page, key in zip(table, self.unit_page_keys(keys)):
+            self.pages.cache.add(key, page)
+        self.committed[req] = first + len(keys)
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached page (parked pages are freed; held ones are no longer cached); how many were."""

@@ -170,7 +170,7 @@ class HiSparseKV(LatentKV):
         for owner in a.owners:
             a.data.index_copy_(0, base[owner] + dest, self.copier.to_device(self.pool.layer_view(owner), host_rows))
 
-    def attached(self, req: Hashable, n_tokens: int) -> None:
+    def attached(self, req: Hashable, n_tokens: int, keys: list[bytes]) -> None:
         """A request starting from n_tokens cached positions: its sinks and resident window come from the host
         pool (the resolver reads positions < sinks and in [lo, len) from there); its cached pages are not
         offered new device pages (nothing writes them), they come back through `readmit` while pages are free."""

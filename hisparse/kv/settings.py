@@ -90,6 +90,8 @@ class KVSettings:
                                            # 'torch': torch ops (+ the C++ CPU kernels); 'auto': triton on CUDA
     index_cache: str = "fp32"              # indexer keys on the device: 'fp8' 132-B records (spec §4, scored
                                            # dequantised), 'fp32' exact keys in the compute dtype (reference)
+    enable_prefix_caching: bool = True     # full pages stay cached after their request ends; a request starting
+                                           # with cached pages skips their prefill (vLLM's flag name)
 
     def __post_init__(self) -> None:
         """Validate every field; KVSettingsError names the first bad one."""
@@ -112,6 +114,8 @@ class KVSettings:
             raise _invalid("kernels", f"must be one of {list(KERNELS)}, got {self.kernels!r}")
         if self.index_cache not in INDEX_CACHES:
             raise _invalid("index_cache", f"must be one of {list(INDEX_CACHES)}, got {self.index_cache!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise _invalid("enable_prefix_caching", f"must be true or false, got {self.enable_prefix_caching!r}")
 
     # ---- resolved defaults ----
     def hot_buffer(self, cfg: ModelConfig) -> int:
@@ -148,12 +152,13 @@ class KVSettings:
         kernels = self.kernel_path(device)
         if self.offload == "none":
             return ResidentKV(cfg, self.layout, device, dtype, page_tokens=self.page_tokens, kernels=kernels,
-                              index_cache=self.index_cache)
+                              index_cache=self.index_cache, prefix_caching=self.enable_prefix_caching)
         return HiSparseKV(cfg, self.layout, device, dtype, host_pool_gib=self.host_pool_gib,
                           hot_buffer_tokens=self.hot_buffer(cfg), resident_window=self.window,
                           sink_tokens=DEFAULT_SINKS, page_tokens=self.page_tokens, kernels=kernels,
                           index_cache=self.index_cache,
-                          device_kv_gib=self.device_kv_gib if self.offload == "hybrid" else None)
+                          device_kv_gib=self.device_kv_gib if self.offload == "hybrid" else None,
+                          prefix_caching=self.enable_prefix_caching)
 
     # ---- sources ----
     @staticmethod
@@ -180,6 +185,10 @@ class KVSettings:
             "index_cache": dict(choices=INDEX_CACHES, help="indexer keys on the device: fp8 = 132-B records "
                                                            "(128 x e4m3 + a power-of-two fp32 scale), fp32 = exact "
                                                            "(default: %(default)s)"),
+            "enable_prefix_caching": dict(action=argparse.BooleanOptionalAction,
+                                          help="keep full pages of latent rows and indexer keys cached after a "
+                                               "request ends, so a request that starts with the same tokens skips "
+                                               "their prefill (default: on)"),
         }
         for name in default if names is None else names:
             parser.add_argument(_flag(name), default=default[name], **flags[name])

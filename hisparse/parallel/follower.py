@@ -48,6 +48,12 @@ class Follower:
         elif kind == "observe":
             indices, kept = arg
             self.speculator.observe([self.last[i] for i in indices], kept)
+        elif kind == "prefix":      # rank 0 started the request from cached units
+            self.runner.kv.attach_units(*arg)
+        elif kind == "cache":       # rank 0 cached units of the request
+            self.runner.kv.cache_units(*arg)
+        elif kind == "reset_prefix_cache":
+            self.runner.kv.reset_prefix_cache()
         elif kind == "propose":   # rank 0's block forward, run here for its collectives; the drafts are rank 0's
             reqs, anchors, pos, n = arg
             self.speculator.proposer.propose_batch(reqs, torch.tensor(anchors), torch.tensor(pos), n,

@@ -19,6 +19,7 @@ from ..engine.speculative import Proposer
 from ..kv.base import LatentKV
 from ..model.ml4 import ML4
 from .group import GroupError, RankGroup
+from .sharded_kv import ShardedKV
 from .replica import Op, RankInfo, RankPool, ReplayStep, StepMessage, gather_pools, gather_ranks
 
 log = logging.getLogger("hisparse.parallel")
@@ -35,6 +36,8 @@ class Leader(EngineHooks):
         self.ops: list[Op] = []
         self.pools: list[RankPool] = []
         self.diagnose: Callable[[], str] | None = None
+        if isinstance(kv, ShardedKV):   # every prefix-cache decision is rank 0's
+            kv.record = self.record
 
     def record(self, op: Op) -> None:
         self.ops.append(op)

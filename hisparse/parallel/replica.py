@@ -25,6 +25,9 @@ from .sharded_kv import ShardedKV
 # ("rollback", req_id, length)         rejected drafts: forget positions >= length in the KV and draft window
 # ("observe", indices, kept)           draft-window update from the first kept[i] rows of the last forward's
 #                                      segment indices[i]
+# ("prefix", req_id, keys)             the request starts from the cached units `keys` (prefix caching)
+# ("cache", req_id, first, keys)       units first, first + 1, ... of the request are cached under `keys`
+# ("reset_prefix_cache",)              drop every cached unit
 # ("propose", reqs, anchors, pos, n)   run the drafter's block forward as rank 0 does (tensor parallelism: it
 #                                      has collectives); the drafts are rank 0's
 Op = tuple

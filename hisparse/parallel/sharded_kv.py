@@ -7,6 +7,10 @@ contiguous local range (HiSparse's one-contiguous-segment-per-step writes), host
 (global positions would leave R-1 of every R rows of a page empty), and the resident window holds this rank's
 newest own tokens. The model passes global positions; the mapping happens here.
 
+Prefix caching works in units of R x lcm(P, I) global tokens: each rank owns lcm(P, I) positions of every unit,
+whole pages of its store, so a unit is cached or not on every rank alike. Rank 0 decides every hit and every unit
+cached (`record`: the ops the followers replay, `attach_units` and `cache_units`); each rank keeps its own rows.
+
 Capacity and admission are reported in global tokens. Rank 0 owns the first interleave block, so its share of
 any context is the largest; the scheduler runs on rank 0, and a reservation that fits rank 0 fits every rank
 (equal pools).
@@ -14,7 +18,9 @@ any context is the largest; the scheduler runs on rank 0, and a reservation that
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+import hashlib
+import math
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
@@ -31,6 +37,8 @@ class ShardedKV(LatentKV):
         self.layout, self.pages, self.page_tokens = inner.layout, inner.pages, inner.page_tokens
         self.index_keys, self.stats = inner.index_keys, inner.stats   # local-keyed
         self.reserved: dict[Hashable, int] = {}
+        self.salt, self.chains, self.committed = inner.salt, {}, {}
+        self.record: Callable[[tuple], None] | None = None   # rank 0: sends prefix-cache ops to the followers
 
     @property
     def tables(self):
@@ -96,7 +104,48 @@ class ShardedKV(LatentKV):
 
     def release(self, req: Hashable) -> None:
         self.reserved.pop(req, None)
+        self.chains.pop(req, None)
+        self.committed.pop(req, None)
         self.inner.release(req)
+
+    # ---- prefix caching in units whose share is whole pages on every rank ----
+    @property
+    def prefix_unit(self) -> int:
+        return self.sharding.size * math.lcm(self.page_tokens, self.sharding.interleave)
+
+    @property
+    def unit_pages(self) -> int:
+        return math.lcm(self.page_tokens, self.sharding.interleave) // self.page_tokens
+
+    def unit_page_keys(self, keys: Sequence[bytes]) -> list[bytes]:
+        m = self.unit_pages
+        return keys if m == 1 else [hashlib.blake2b(k + j.to_bytes(4, "little"), digest_size=16).digest()
+                                    for k in keys for j in range(m)]
+
+    def attached(self, req: Hashable, n_tokens: int, keys: list[bytes]) -> None:
+        self.inner.attached(req, self.sharding.count_owned(n_tokens), self.unit_page_keys(keys))
+        if self.record is not None:
+            self.record(("prefix", req, keys))
+
+    def attach_units(self, req: Hashable, keys: list[bytes]) -> None:
+        """A follower: start req from the cached units `keys`, as rank 0 did (the same units are cached here)."""
+        pages = self.pages.cache.lookup(self.unit_page_keys(keys))
+        if len(pages) < len(keys) * self.unit_pages:
+            raise RuntimeError(f"DCP rank {self.sharding.rank}: rank 0 started request {req!r} from {len(keys)} "
+                               f"cached units, this rank holds {len(pages) // self.unit_pages} of them")
+        self.pages.share(req, pages)
+        self.chains[req], self.committed[req] = list(keys), len(keys)
+        self.inner.attached(req, len(pages) * self.page_tokens, self.unit_page_keys(keys))
+
+    def cache_units(self, req: Hashable, first: int, keys: list[bytes]) -> None:
+        super().cache_units(req, first, keys)
+        if self.record is not None:
+            self.record(("cache", req, first, keys))
+
+    def reset_prefix_cache(self) -> int:
+        if self.record is not None:
+            self.record(("reset_prefix_cache",))
+        return self.inner.reset_prefix_cache()
 
     def truncate(self, req: Hashable, length: int) -> None:
         self.inner.truncate(req, self.sharding.count_owned(length))

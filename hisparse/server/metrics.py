@@ -21,6 +21,8 @@ KV_COUNTERS = {
     "spilled_pages": ("hisparse_spilled_pages", "Resident device pages spilled to make room (--kv-offload hybrid)"),
     "host_to_device_bytes": ("hisparse_host_to_device_bytes", "Bytes copied from the host pool to the device"),
     "device_to_host_bytes": ("hisparse_device_to_host_bytes", "Bytes backed up from the device to the host pool"),
+    "prefix_queries": ("hisparse_prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
+    "prefix_hits": ("hisparse_prefix_cache_hits", "Prompt tokens found in the prefix cache (their prefill skipped)"),
 }
 
 
