@@ -38,11 +38,11 @@ def random_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list
 
 
 def assert_clean(kv) -> None:
-    """Every reservation, row, key and slot is back (invariant 6)."""
+    """Every reservation, row, key and slot is back (invariant 6): the pool holds the prefix cache's pages only."""
     assert kv.reserved == {}
-    assert kv.index_cache_bytes() == 0
+    assert kv.index_cache_bytes() == 0 and not kv.pages.refs
     if hasattr(kv, "pool"):
-        assert kv.pool.pages_used == 0 and kv.pool.tables == {}
+        assert kv.pool.pages_used == kv.cached_pages() and kv.pool.tables == {}
         assert not kv.slot_of and all((h.pos[:-1] < 0).all() for h in kv.hot.values())
     else:
         assert kv.latent_bytes() == 0

@@ -14,7 +14,14 @@ from hisparse.engine.request import SamplingParams
 from hisparse.engine.scheduler import SchedulerConfig
 from hisparse.kv.hisparse_kv import HiSparseKV
 from hisparse.kv.resident import ResidentKV
-from hisparse.model.tiny import random_model
+from hisparse.kv.settings import KVSettings
+from hisparse.model.tiny import builtin_tiny, random_model
+from hisparse.model.weights import load_model
+from hisparse.parallel.context import DCPContext
+from hisparse.parallel.launch import launch as launch_ranks
+from hisparse.parallel.leader import Leader
+from hisparse.parallel.serve import run_follower
+from hisparse.parallel.sharded_kv import ShardedKV
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -180,3 +187,61 @@ def test_preempted_request_recomputes_from_its_cached_pages(model) -> None:
     assert got == want
     assert e.scheduler.num_preemptions > 0 and kv.stats.prefix_hits >= 4 * PAGE
     assert kv.pages.pages_used == kv.cached_pages() and not kv.pages.refs
+
+
+DCP_POOL_GIB = 0.05
+
+
+def dcp_prompts(vocab: int) -> list[list[int]]:
+    """Three questions over one 150-token document."""
+    g = torch.Generator().manual_seed(4)
+    doc = torch.randint(1000, vocab, (150,), generator=g).tolist()
+    return [doc + torch.randint(1000, vocab, (n,), generator=g).tolist() for n in (7, 12, 20)]
+
+
+def dcp_waves(model, kv, hooks=None) -> list[list[int]]:
+    """The first question alone, then the other two at once; every request's output tokens."""
+    e = Engine(model, kv, SchedulerConfig(max_model_len=512, max_num_seqs=4, max_num_batched_tokens=64), hooks=hooks)
+    ps = dcp_prompts(model.cfg.vocab_size)
+    out = [r.output for wave in ([ps[0]], ps[1:]) for r in e.generate(wave, GREEDY)]
+    if hooks is not None:
+        e.stop()
+    return out
+
+
+def dcp_store(model, group=None, interleave: int = 1, caching: bool = True):
+    """The serving store (hybrid, three resident pages), as DCP rank `group.rank`'s shard (None: one rank)."""
+    kv = KVSettings(host_pool_gib=DCP_POOL_GIB, hot_buffer_tokens=16, resident_window=8, page_tokens=PAGE,
+                    device_kv_gib=gib(model.cfg, 3, device=True), enable_prefix_caching=caching).build(model.cfg)
+    return kv if group is None else ShardedKV(kv, DCPContext(group, interleave))
+
+
+def dcp_rank(group, interleave: int) -> dict:
+    """Every rank of a DCP group with prefix caching: rank 0 runs the waves, the others replay them."""
+    model = load_model(builtin_tiny())
+    kv = dcp_store(model, group, interleave)
+    if group.rank > 0:
+        run_follower(group, model, kv, None)
+    else:
+        leader = Leader(group, kv)
+        leader.start_up(model)
+        tokens = dcp_waves(model, kv, leader)
+    return {"tokens": tokens if group.rank == 0 else None, "hits": kv.stats.prefix_hits,
+            "cached": kv.cached_pages(), "used": kv.pages.pages_used, "held": len(kv.pages.refs)}
+
+
+@pytest.mark.parametrize("interleave", [1, 8])
+def test_dcp_two_ranks_with_hits_equal_one(interleave: int) -> None:
+    """DCP 2 (interleave 1 and 8) with prefix caching: the two later questions start from the document's cached
+    units on both ranks (each rank caching its own rows) and the tokens equal one rank's, with and without the
+    cache."""
+    model = load_model(builtin_tiny())
+    one = dcp_store(model)
+    want = dcp_waves(model, one)
+    assert dcp_waves(model, dcp_store(model, caching=False)) == want and one.stats.prefix_hits == 2 * 144
+    lead, follow = launch_ranks(dcp_rank, 2, interleave, threads=1, timeout_s=60.0, deadline_s=300.0)
+    assert lead["tokens"] == want
+    unit = 2 * PAGE   # lcm(16, I) = 16 positions per rank per unit
+    assert lead["hits"] == 2 * (150 // unit * unit)
+    for rank in (lead, follow):
+        assert rank["cached"] > 0 and rank["used"] == rank["cached"] and rank["held"] == 0

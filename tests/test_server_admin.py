@@ -14,7 +14,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from serving import KEY, MAX_MODEL_LEN, Server, auth, free_port, running, server, wait_healthy  # noqa: F401  (fixtures)
+import torch
+from serving import (KEY, MAX_MODEL_LEN, Server, auth, free_port, reference, running, server, tok,  # noqa: F401
+                     wait_healthy)
 
 from hisparse.model.tiny import builtin_tiny
 
@@ -30,6 +32,31 @@ def test_startup_models_health(server: Server) -> None:
 
 def test_health_answers_head(server: Server) -> None:
     assert httpx.head(f"{server.url}/health").status_code == 200
+
+
+def test_prefix_cache_hits_and_reset(server: Server, tok, reference) -> None:
+    """Two questions over one 300-token document, one after the other: the second prefills only what follows the
+    document's cached pages (hisparse_prefix_cache_hits), both answers equal the all-resident reference; after
+    POST /reset_prefix_cache the cache is empty and the same question hits nothing."""
+    g = torch.Generator().manual_seed(17)
+    doc = torch.randint(1000, 131072, (300,), generator=g).tolist()
+    qs = [doc + torch.randint(1000, 131072, (n,), generator=g).tolist() for n in (9, 14)]
+
+    def ask(prompt: list[int]) -> str:
+        return server.client().completions.create(model=server.name, prompt=prompt, max_tokens=6,
+                                                  temperature=0).choices[0].text
+
+    before = server.wait_idle()
+    answers = [ask(q) for q in qs]
+    after = server.wait_idle()
+    assert answers == [tok.instruct_tokenizer.tokenizer.decode(reference(q, 6)) for q in qs]
+    hits = after["hisparse_prefix_cache_hits_total"] - before["hisparse_prefix_cache_hits_total"]
+    assert hits >= 256 and after["hisparse_prefix_cache_pages"] > 0     # the document's full pages, 64 tokens each
+    r = httpx.post(f"{server.url}/reset_prefix_cache", headers=auth())
+    assert r.status_code == 200 and r.json()["dropped_pages"] == after["hisparse_prefix_cache_pages"]
+    assert ask(qs[1]) == answers[1]
+    m = server.wait_idle()
+    assert m["hisparse_prefix_cache_hits_total"] == after["hisparse_prefix_cache_hits_total"]
 
 
 def bad_requests(name: str) -> list[tuple[str, object, int, str]]:

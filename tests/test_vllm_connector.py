@@ -70,10 +70,11 @@ def test_admission_waits_for_room():
     assert a.fits("a", 100)
     a.allocate("a", 100)
     assert not a.fits("b", 60) and a.fits("b", 50) and a.fits("a", 100)   # a's own reservation is not "other"
-    plan = a.plan([("a", 7)], released={"z"})
-    assert plan == StepPlan(["z"], [("a", 7, 100)])
-    a.finish("a")
-    assert a.fits("b", 150)
+    a.release("z")
+    plan = a.plan([("a", 7)], {"a": (0, 10)})
+    assert plan == StepPlan([("admit", "a", 7, 100, [], 0), ("release", "z")])
+    a.release("a")
+    assert a.fits("b", 150) and a.plan([], {}) == StepPlan([("release", "a")])
 
 
 def test_worker_maps_vllm_batch_to_segments_and_frees(seed):
@@ -84,7 +85,7 @@ def test_worker_maps_vllm_batch_to_segments_and_frees(seed):
     w = WorkerState(cfg, KVSettings(host_pool_gib=0.05), torch.float32, torch.device("cpu"), 256)
     reqs = [f"req-{i}" for i in range(5)]
     blocks = rng.sample(range(1000), len(reqs))
-    w.apply(StepPlan([], [(r, b, 200) for r, b in zip(reqs, blocks)]))
+    w.apply(StepPlan([("admit", r, b, 200, [], 0) for r, b in zip(reqs, blocks)]))
     assert w.kv.usage_ratio() > 0 and w.stats()["live_requests"] == 5
     order = rng.sample(range(len(reqs)), len(reqs))
     starts = [rng.randrange(0, 100) for _ in order]
@@ -99,9 +100,55 @@ def test_worker_maps_vllm_batch_to_segments_and_frees(seed):
         w.segments(qsl, seq_lens, table, positions + 1)
     with pytest.raises(RuntimeError, match="first KV blocks"):
         w.segments(qsl, seq_lens, table + 5000, positions)
-    w.apply(StepPlan(reqs, []))
+    w.apply(StepPlan([("release", r) for r in reqs]))
     stats = w.stats()
     assert (stats["host_pool_usage"], stats["host_pool_reserved_tokens"], stats["live_requests"]) == (0.0, 0, 0)
+
+
+def test_scheduler_index_and_worker_caches_agree(seed):
+    """The scheduler's prefix index and a worker replaying its plans hold the same cache units through a random
+    run: requests over three documents admitted from their cached units, written in chunks, finished or
+    preempted, with a pool small enough that parked units are evicted for new reservations. The worker's cached
+    keys always equal the index's, the worker's pool never evicts on its own, and every admission it replays
+    attaches exactly the units the scheduler matched."""
+    rng = random.Random(seed)
+    P = 16
+    page_bytes = KVSettings(host_pool_gib=0.001, page_tokens=P).build(preset("tiny")).pool.page_bytes
+    w = WorkerState(preset("tiny"), KVSettings(host_pool_gib=30 * page_bytes / 2**30, page_tokens=P),
+                    torch.float32, torch.device("cpu"), 256)
+    a = AdmissionState(max_model_len=256, caching=True, salt=b"test")
+    a.handshake(w.kv.token_capacity(), P)       # 30 pages: parked units are evicted for new reservations
+    docs = [[rng.randrange(1000, 9000) for _ in range(rng.randrange(40, 120))] for _ in range(3)]
+    live: dict[str, list[int]] = {}
+    done: dict[str, int] = {}                   # positions written
+    hits = evicted = 0
+    for step in range(120):
+        started, scheduled = [], {}
+        if rng.random() < 0.5 and len(live) < 4:
+            rid = f"r{step}"
+            prompt = rng.choice(docs) + [rng.randrange(1000, 9000) for _ in range(rng.randrange(1, 30))]
+            need = a.need(len(prompt), 8)
+            if a.fits(rid, need):
+                start = a.allocate(rid, need, prompt)
+                hits += start > 0
+                live[rid], done[rid] = prompt, start
+                started.append((rid, 1000 + step))
+        for rid in list(live):
+            if rng.random() < 0.15:             # finished or preempted
+                a.release(rid)
+                del live[rid], done[rid]
+                continue
+            n = min(rng.randrange(1, 40), len(live[rid]) + 8 - done[rid])
+            scheduled[rid] = (done[rid], n)
+            done[rid] += n
+        plan = a.plan(started, scheduled)
+        evicted += sum(len(op[1]) for op in plan.ops if op[0] == "evict")
+        w.apply(plan)
+        for rid, (start, n) in scheduled.items():   # the step's writes: pages up to what it wrote
+            w.kv.pages.ensure(rid, start + n)
+        assert set(w.kv.pages.cache.page_of) == set(a.index.holders) | set(a.index.parked)
+        assert w.kv.pages.parked_pages == len(a.index.parked)
+    assert hits > 3 and evicted > 0
 
 
 def test_worker_rejects_pool_smaller_than_context():
@@ -263,9 +310,30 @@ def test_vllm_serve_greedy_equals_hisparse(server, ckpt, seed):
     deadline = time.monotonic() + 30      # gauges arrive with the step after the last request finished
     while (after := server.metrics())["live_requests"] != 0 and time.monotonic() < deadline:
         time.sleep(0.5)
-    delta = {k: after[k] - before[k] for k in vars(ref_stats) if k != "steps"}
+    delta = {k: after[k] - before[k] for k in vars(ref_stats) if k != "steps" and not k.startswith("prefix_")}
     assert delta == {k: getattr(ref_stats, k) for k in delta}, (delta, ref_stats)
     assert delta["device_to_host_bytes"] > 0 and delta["misses"] > 0 and delta["hits"] > 0
     assert peak["host_pool_pages_used"] > 0 and peak["live_requests"] >= 1, peak
-    assert (after["host_pool_pages_used"], after["host_pool_reserved_tokens"], after["host_pool_usage"],
-            after["live_requests"]) == (0, 0, 0, 0), after
+    assert after["prefix_hits"] == before["prefix_hits"]     # four different prompts: nothing to share
+    assert (after["host_pool_pages_used"] - after["prefix_cache_pages"], after["host_pool_reserved_tokens"],
+            after["host_pool_usage"], after["live_requests"]) == (0, 0, 0, 0), after
+
+
+def test_vllm_serve_prefix_cache_skips_the_shared_document(server, ckpt, seed):
+    """Three questions over one 400-token document, one after another: vLLM's scheduler takes the document's
+    cached pages as external tokens for the second and third (the connector attaches them from the host pool),
+    and every answer equals hisparse's own generation without a cache."""
+    rng = random.Random(seed + 1)
+    doc = [1] + rng.sample(range(1000, 131072), 399)
+    prompts = [doc + rng.sample(range(1000, 131072), n) for n in (5, 11, 23)]
+    before = server.metrics()
+    got = [server.complete(p, 8)["token_ids"] for p in prompts]
+    want, _ = reference(ckpt, prompts, [8] * 3)
+    assert got == want
+    deadline = time.monotonic() + 30
+    while (after := server.metrics())["live_requests"] != 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    page = KVSettings.from_extra_config(EXTRA).page_tokens
+    assert after["prefix_hits"] - before["prefix_hits"] == 2 * (400 // page) * page
+    assert after["prefix_queries"] - before["prefix_queries"] == sum(len(p) - 1 for p in prompts)
+    assert after["prefix_cache_pages"] > 0 and after["host_pool_pages_used"] == after["prefix_cache_pages"]

@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
 
+from ..host_pool.prefix_cache import salt_of
 from ..kv.settings import KVSettings
 from ..core.config import ModelConfig
 from .footprint import check_device_budget
@@ -53,7 +54,8 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         self.admission: AdmissionState | None = None
         self.worker: WorkerState | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.admission = AdmissionState(mc.max_model_len)
+            self.admission = AdmissionState(mc.max_model_len, settings.enable_prefix_caching,
+                                            salt_of(mc.model, mc.dtype, settings))
         else:
             sc = vllm_config.scheduler_config
             device = torch.device(current_platform.device_type)
@@ -93,8 +95,8 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
     # ---------------------------------------------------------------- scheduler side
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         caps = [m.token_capacity for m in metadata.values()]
-        self.admission.capacity = None if not caps or None in caps else min(caps)
-        self.admission.page_tokens = max((m.page_tokens for m in metadata.values()), default=1)
+        self.admission.handshake(None if not caps or None in caps else min(caps),
+                                 max((m.page_tokens for m in metadata.values()), default=1))
         logger.info("hisparse: admitting requests while their prompt + max_tokens fit %s host-pool tokens",
                     self.admission.capacity)
 
@@ -102,22 +104,31 @@ class HiSparseConnector(KVConnectorBase_V1, SupportsHMA):
         return self.admission.need(request.num_prompt_tokens, request.max_tokens)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """No external tokens; None (try again later) while the host pool cannot take the request."""
-        return (0, False) if self.admission.fits(request.request_id, self._need(request)) else (None, False)
+        """The prompt tokens of the request's cached units in the host pool (its prefill skips them; the
+        workers attach them before the step, so nothing loads asynchronously); None (try again later) while
+        the host pool cannot take the request."""
+        if not self.admission.fits(request.request_id, self._need(request)):
+            return None, False
+        matched = len(self.admission.match(request.request_id, request.prompt_token_ids))
+        return max(0, matched * self.admission.page_tokens - num_computed_tokens), False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        self.admission.allocate(request.request_id, self._need(request))
+        self.admission.allocate(request.request_id, self._need(request), request.prompt_token_ids)
 
     def build_connector_meta(self, scheduler_output) -> HiSparseMetadata:
         started = [(r.req_id, r.block_ids[0][0]) for r in scheduler_output.scheduled_new_reqs]
         cached = scheduler_output.scheduled_cached_reqs
         started += [(r, cached.new_block_ids[i][0][0]) for i, r in enumerate(cached.req_ids)
                     if r in cached.resumed_req_ids]
-        released = set(scheduler_output.finished_req_ids) | set(scheduler_output.preempted_req_ids or ())
-        return HiSparseMetadata(self.admission.plan(started, released))
+        for req_id in scheduler_output.preempted_req_ids or ():
+            self.admission.release(req_id)
+        n = scheduler_output.num_scheduled_tokens
+        scheduled = {r.req_id: (r.num_computed_tokens, n[r.req_id]) for r in scheduler_output.scheduled_new_reqs}
+        scheduled.update((r, (cached.num_computed_tokens[i], n[r])) for i, r in enumerate(cached.req_ids))
+        return HiSparseMetadata(self.admission.plan(started, scheduled))
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self.admission.finish(request.request_id)
+        self.admission.release(request.request_id)
         return False, None
 
     def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]

@@ -11,7 +11,7 @@ from ..kv.base import KVStats
 
 COUNTERS = tuple(f.name for f in fields(KVStats))          # hits, misses, host_to_device_bytes, ...
 GAUGES = ("host_pool_usage", "host_pool_reserved_tokens", "host_pool_capacity_tokens", "host_pool_pages_used",
-          "live_requests")
+          "prefix_cache_pages", "live_requests")
 PREFIX = "hisparse_"
 # Names shared with `hisparse serve`'s /metrics, so one dashboard reads both.
 METRIC_NAMES = {"hits": "cache_hits", "misses": "cache_misses", "host_pool_usage": "host_pool_usage_ratio",

@@ -1,7 +1,9 @@
 """The two halves of HiSparseConnector's state, free of vLLM's connector plumbing.
 
 Scheduler half (`AdmissionState`): every live request reserves prompt + max new tokens of host-pool capacity
-when vLLM allocates it; a request that would overflow the pool waits. Worker half (`WorkerState`): this
+when vLLM allocates it; a request that would overflow the pool waits. With prefix caching it also decides which
+cached units a request starts from, which units are cached and which are evicted (`prefix_index`); the workers
+replay those decisions from the step plan. Worker half (`WorkerState`): this
 worker's LatentKV (host pool + working set), the map from vLLM's requests to hisparse's, and the stats deltas.
 A request is known to the worker by the first KV block vLLM gave it: blocks are exclusive per live request
 (prefix caching is off), and the batch's attention metadata lists each request's blocks in batch order.
@@ -19,46 +21,112 @@ from ..core.batch import Segment, segment_positions
 from ..core.config import ModelConfig
 from ..kv.base import KVStats
 from .footprint import release_profile_hold
+from .prefix_index import PrefixIndex
 from .settings import HiSparseConfigError
 
 
 @dataclass
 class StepPlan:
-    """Scheduler -> worker, once per step: requests to forget, then requests to start (or restart)."""
-    released: list[str] = field(default_factory=list)              # finished, aborted or preempted
-    admitted: list[tuple[str, int, int]] = field(default_factory=list)   # (req id, first block id, tokens)
+    """Scheduler -> worker, once per step: what changed since the last plan, in the order it happened.
+
+    ("release", req)                                 finished, aborted or preempted: free its rows
+    ("cache", req, first, keys)                      its units first, first + 1, ... are written: cache them
+    ("evict", keys)                                  forget these parked cached units (room for an admission)
+    ("admit", req, block, tokens, keys, queried)     start (or restart) req, known by its first KV block, from the
+                                                     cached units `keys`, reserving `tokens` (`queried`: prompt
+                                                     tokens it looked up)
+    """
+    ops: list[tuple] = field(default_factory=list)
 
 
 class AdmissionState:
-    """Host-pool reservations of live requests (scheduler side), in tokens."""
+    """Host-pool reservations of live requests (scheduler side), in tokens, and with prefix caching the index of
+    the workers' caches (`prefix_index.PrefixIndex`), whose parked units take room until evicted."""
 
-    def __init__(self, max_model_len: int):
-        self.max_model_len = max_model_len
+    def __init__(self, max_model_len: int, caching: bool = False, salt: bytes = b""):
+        self.max_model_len, self.caching, self.salt = max_model_len, caching, salt
         self.capacity: int | None = None          # set from the workers' handshake (None: unbounded)
         self.page_tokens = 1                      # the pool's allocation unit, also from the handshake
         self.reserved: dict[str, int] = {}
+        self.index: PrefixIndex | None = None     # built at the handshake (its unit is the workers' page)
+        self.log: list[tuple] = []                # ops since the last plan
+        self.prompts: dict[str, list[int]] = {}   # live request -> prompt token ids
+        self.progress: dict[str, int] = {}        # live request -> positions written once its last step has run
+        self.cached_units: dict[str, int] = {}    # live request -> its units cached (or started from) so far
+
+    def handshake(self, capacity: int | None, page_tokens: int) -> None:
+        self.capacity, self.page_tokens = capacity, page_tokens
+        if self.caching:
+            self.index = PrefixIndex(page_tokens, self.salt)
 
     def need(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
         """Tokens to reserve, rounded up to whole pages as the worker's LatentKV.reserve counts them."""
         n = min(num_prompt_tokens + (max_tokens or 0), self.max_model_len)
         return -(-n // self.page_tokens) * self.page_tokens
 
+    def match(self, req_id: str, prompt: list[int]) -> list[bytes]:
+        """The cached units a waiting request would start from (nothing changes)."""
+        return self.index.match(req_id, prompt) if self.index is not None else []
+
     def fits(self, req_id: str, tokens: int) -> bool:
+        """Whether the request's reservation fits (evicting parked units if need be)."""
         if self.capacity is None:
             return True
         others = sum(v for k, v in self.reserved.items() if k != req_id)
         return others + tokens <= self.capacity
 
-    def allocate(self, req_id: str, tokens: int) -> None:
+    def allocate(self, req_id: str, tokens: int, prompt: list[int] | None = None) -> int:
+        """Admit the request: it holds its matched units, parked units are evicted until the reservations and the
+        parked units fit the pool, and its reservation is made. Tokens it starts from."""
+        keys = self.match(req_id, prompt) if prompt is not None else []
+        if self.index is not None:
+            self.index.hold(req_id, keys)
+            if self.capacity is not None:
+                room = self.capacity - sum(v for k, v in self.reserved.items() if k != req_id) - tokens
+                evicted = self.index.evict(len(self.index.parked) - max(0, room) // self.page_tokens)
+                if evicted:
+                    self.log.append(("evict", evicted))
         self.reserved[req_id] = tokens
+        self.prompts[req_id] = list(prompt or ())
+        self.progress[req_id] = len(keys) * self.page_tokens
+        self.cached_units[req_id] = len(keys)
+        self.log.append(("admit", req_id, None, tokens, keys, max(0, len(prompt or ()) - 1)))
+        return len(keys) * self.page_tokens
 
-    def plan(self, started: list[tuple[str, int]], released: set[str]) -> StepPlan:
-        """started: (req id, first block id) of requests scheduled from position 0 this step (new or resumed
-        after preemption); released: finished, aborted or preempted since the last step."""
-        return StepPlan(sorted(released), [(r, block, self.reserved[r]) for r, block in started])
+    def written(self, req_id: str) -> None:
+        """Cache the request's prompt units that its steps so far have written (the index first, then the
+        workers through the log)."""
+        if self.index is None or req_id not in self.prompts:
+            return
+        prompt, first = self.prompts[req_id], self.cached_units[req_id]
+        done = min(self.progress[req_id], len(prompt)) // self.page_tokens
+        if done > first:
+            keys = self.index.chain(req_id, prompt)[first:done]
+            self.index.add(req_id, keys)
+            self.log.append(("cache", req_id, first, keys))
+            self.cached_units[req_id] = done
 
-    def finish(self, req_id: str) -> None:
-        self.reserved.pop(req_id, None)
+    def release(self, req_id: str) -> None:
+        """A request finished or was preempted: cache what it wrote, then free it."""
+        self.written(req_id)
+        if self.index is not None:
+            self.index.release(req_id)
+        for d in (self.reserved, self.prompts, self.progress, self.cached_units):
+            d.pop(req_id, None)
+        self.log.append(("release", req_id))
+
+    def plan(self, started: list[tuple[str, int]], scheduled: dict[str, tuple[int, int]]) -> StepPlan:
+        """started: (req id, first block id) of requests admitted this step (new or resumed after preemption);
+        scheduled: req id -> (positions written before this step, tokens this step) of every scheduled request.
+        The units earlier steps wrote are cached now (those steps have run when the workers apply the plan)."""
+        for req_id, (computed, n) in scheduled.items():
+            if req_id in self.progress:
+                self.written(req_id)
+                self.progress[req_id] = computed + n
+        block = dict(started)
+        ops = [("admit", op[1], block[op[1]], *op[3:]) if op[0] == "admit" else op for op in self.log]
+        self.log = []
+        return StepPlan(ops)
 
 
 class WorkerState:
@@ -82,15 +150,35 @@ class WorkerState:
         self.reported = KVStats()
 
     def apply(self, plan: StepPlan) -> None:
-        for req_id in plan.released:
-            self.release(req_id)
-        for req_id, block, tokens in plan.admitted:
-            self.release(req_id)                   # a resumed request recomputes from position 0
-            if not self.kv.reserve(req_id, tokens):
-                raise RuntimeError(f"hisparse: request {req_id} ({tokens} tokens) does not fit the host pool "
-                                   f"({self.kv.tokens_unreserved()} tokens unreserved)")
-            self.req_of_block[block] = req_id
-            self.block_of_req[req_id] = block
+        """Replay the scheduler's ops in order (the cache decisions are the scheduler's: nothing is evicted here
+        that the plan does not name)."""
+        for kind, *args in plan.ops:
+            if kind == "release":
+                self.release(*args)
+            elif kind == "cache":
+                self.kv.cache_units(*args)
+            elif kind == "evict":
+                self.kv.evict_units(*args)
+            elif kind == "admit":
+                self.admit(*args)
+            else:
+                raise RuntimeError(f"hisparse: unknown step-plan op {kind!r}")
+
+    def admit(self, req_id: str, block: int, tokens: int, keys: list[bytes], queried: int) -> None:
+        """Start a request (a resumed one from scratch) from the cached units `keys`, reserving `tokens`."""
+        self.release(req_id)
+        hit = self.kv.attach_units(req_id, keys)      # its units held first: they are not parked any more
+        free = self.kv.tokens_unreserved()
+        if free is not None and -(-tokens // self.kv.page_tokens) * self.kv.page_tokens > free:
+            raise RuntimeError(f"hisparse: request {req_id} ({tokens} tokens) does not fit the host pool ({free} "
+                               "tokens unreserved, parked cached pages not counted): the scheduler's plan "
+                               "disagrees with this worker")
+        self.kv.reserve(req_id, tokens)
+        if self.kv.prefix_caching:
+            self.kv.stats.prefix_queries += queried
+            self.kv.stats.prefix_hits += hit
+        self.req_of_block[block] = req_id
+        self.block_of_req[req_id] = block
 
     def release(self, req_id: str) -> None:
         block = self.block_of_req.pop(req_id, None)
@@ -125,4 +213,5 @@ class WorkerState:
                 "host_pool_reserved_tokens": sum(self.kv.reserved.values()),
                 "host_pool_capacity_tokens": self.kv.token_capacity() or 0,
                 "host_pool_pages_used": pool.pages_used if pool is not None else 0,
+                "prefix_cache_pages": self.kv.cached_pages(),
                 "live_requests": len(self.block_of_req)}

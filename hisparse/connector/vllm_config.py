@@ -94,5 +94,6 @@ class HiSparseModelConfig(VerifyAndUpdateConfig):
             logger.info("hisparse: vLLM's own KV cache (one dummy layer that holds no ML4 rows) limited to %d "
                         "blocks", cc.num_gpu_blocks_override)
         if vllm_config.cache_config.enable_prefix_caching:
-            logger.info("hisparse: disabling vLLM prefix caching (latent rows live in hisparse's store)")
+            logger.info("hisparse: disabling vLLM's own prefix caching (the connector caches latent rows in the host "
+                        "pool)")
             vllm_config.cache_config.enable_prefix_caching = False

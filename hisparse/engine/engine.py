@@ -57,7 +57,8 @@ class StepStats:
     kv_usage: float = 0.0                 # LatentKV.usage_ratio()
     kv_reserved_tokens: int = 0           # tokens reserved by admitted requests (0 when all are done)
     num_preemptions: int = 0              # running requests preempted so far (their KV freed, to recompute)
-    kv_index_cache_bytes: int = 0         # indexer keys held on the device (0 when all are done)
+    kv_index_cache_bytes: int = 0         # indexer keys running requests hold on the device (0 when all are done)
+    kv_cached_pages: int = 0              # pages the prefix cache holds
     kv_ranks: list[Any] = field(default_factory=list)   # each rank's host pool report ([] in one process)
     graph_steps: int = 0                  # forwards of this step that replayed the decode graphs
     kv_resident_rows: int = 0             # latent rows in resident device pages (hybrid offload)
@@ -236,6 +237,7 @@ class Engine:
         stats.kv_reserved_tokens = sum(self.kv.reserved.values())
         stats.num_preemptions = self.scheduler.num_preemptions
         stats.kv_index_cache_bytes = self.kv.index_cache_bytes()
+        stats.kv_cached_pages = self.kv.cached_pages()
         stats.kv_ranks = self.rank_pools()
         if stats.kv_ranks:   # DCP: the cache counters of every rank's store, not only rank 0's
             stats.kv_stats = KVStats(**{k: sum(getattr(p.stats, k) for p in stats.kv_ranks)

@@ -42,6 +42,11 @@ class PageTable:
         """Cached pages no request holds (freed on demand)."""
         return len(self.cache.parked) if self.cache is not None else 0
 
+    def evict_keys(self, keys: Sequence[bytes]) -> None:
+        """Free the parked cached pages of these keys."""
+        for key in keys:
+            self.free_pages.append(self.cache.evict_key(key))
+
     def evict(self, n: int) -> None:
         """Free up to n parked cached pages, least recently used first."""
         for _ in range(min(n, self.parked_pages)):

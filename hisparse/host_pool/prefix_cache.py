@@ -74,6 +74,14 @@ class PrefixCache:
         del self.page_of[self.key_of.pop(page)]
         return page
 
+    def evict_key(self, key: bytes) -> int:
+        """Forget the parked page of `key`; its id (free again). KeyError if no parked page has that key."""
+        page = self.page_of[key]
+        if page not in self.parked:
+            raise KeyError(f"prefix cache: the page of key {key.hex()} is held by a request, it cannot be evicted")
+        del self.parked[page], self.key_of[page], self.page_of[key]
+        return page
+
     def forget_held(self) -> None:
         """Forget every cached page a request still holds (it is freed with its last holder)."""
         for page in [p for p in self.key_of if p not in self.parked]:

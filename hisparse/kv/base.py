@@ -264,6 +264,20 @@ class LatentKV(ABC):
             chain += page_keys(token_slice(known, n * U - known), U, chain[-1] if chain else self.salt)
         return chain[:n]
 
+    def attach_units(self, req: Hashable, keys: list[bytes]) -> int:
+        """Start req (holding nothing) from the cached units `keys`, as another party decided (a DCP follower
+        replaying rank 0, a vLLM worker its scheduler's plan): every one must be cached here. Tokens attached."""
+        m = self.unit_pages
+        pages = self.pages.cache.lookup(self.unit_page_keys(keys)) if keys else []
+        if len(pages) < len(keys) * m:
+            raise RuntimeError(f"prefix cache: request {req!r} is to start from {len(keys)} cached units, this store "
+                               f"holds the first {len(pages) // m} of them")
+        if pages:
+            self.pages.share(req, pages)
+            self.chains[req], self.committed[req] = list(keys), len(keys)
+            self.attached(req, len(keys) * self.prefix_unit, keys)
+        return len(keys) * self.prefix_unit
+
     def attached(self, req: Hashable, n_tokens: int, keys: list[bytes]) -> None:
         """req starts from its first n_tokens positions, cached (units `keys`; their pages are in its table): what
         the store keeps per request besides its pages follows (HiSparse: the resident window)."""
@@ -292,6 +306,10 @@ class LatentKV(ABC):
         self.pages.evict(self.pages.parked_pages)
         cache.forget_held()
         return n
+
+    def evict_units(self, keys: Sequence[bytes]) -> None:
+        """Evict cached units no request holds, by key (as another party decided: a vLLM scheduler's plan)."""
+        self.pages.evict_keys(self.unit_page_keys(keys))
 
     def cached_pages(self) -> int:
         """Pages the prefix cache holds (whether or not a request holds them too)."""
@@ -331,8 +349,9 @@ class LatentKV(ABC):
         return self.pages_for(n_tokens) * self.index_keys.bytes_per_page() + self.working_set_bytes()
 
     def index_cache_bytes(self, req: Hashable | None = None) -> int:
-        """Device bytes of indexer keys held (by one request, or by all)."""
-        pages = self.pages.pages_used if req is None else self.pages.pages_of(req)
+        """Device bytes of indexer keys held (by one request, or by all running requests: cached pages no request
+        holds are not counted)."""
+        pages = len(self.pages.refs) if req is None else self.pages.pages_of(req)
         return pages * self.index_keys.bytes_per_page()
 
     def resident_rows(self) -> int:

@@ -61,5 +61,5 @@ class ResidentKV(LatentKV):
 
     def latent_bytes(self, req: Hashable | None = None) -> int:
         """Device bytes of latent rows held (by one request, or by all)."""
-        pages = self.pages.pages_used if req is None else self.pages.pages_of(req)
+        pages = len(self.pages.refs) if req is None else self.pages.pages_of(req)
         return pages * self.rows.bytes_per_page()

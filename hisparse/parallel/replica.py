@@ -80,7 +80,8 @@ class StepMessage:
 class RankPool:
     """One rank's latent store: its host pool (0 tokens when the store has none) and cache counters."""
     capacity_tokens: int
-    used_tokens: int
+    used_tokens: int           # token slots of pages in use (held by requests or kept by the prefix cache)
+    cached_tokens: int         # token slots of pages the prefix cache keeps
     stats: KVStats
 
     @property
@@ -99,11 +100,12 @@ def own_store(kv: LatentKV) -> LatentKV:
 def gather_pools(group: RankGroup, kv: LatentKV) -> list[RankPool]:
     """Every rank's RankPool (a collective: all ranks call it). kv: this rank's store (ShardedKV under DCP)."""
     pool = getattr(own_store(kv), "pool", None)
-    mine = [pool.token_capacity, pool.pages_used * pool.page_tokens] if pool is not None else [0, 0]
+    mine = ([pool.token_capacity, pool.pages_used * pool.page_tokens, kv.cached_pages() * pool.page_tokens]
+            if pool is not None else [0, 0, 0])
     mine += [getattr(kv.stats, k) for k in STAT_FIELDS]
     every = group.all_gather(torch.tensor([mine], dtype=torch.float64, device=group.device),
                              "per-rank pool stats")                                                  # [R, 1, n]
-    return [RankPool(int(r[0]), int(r[1]), KVStats(**{k: int(v) for k, v in zip(STAT_FIELDS, r[2:].tolist())}))
+    return [RankPool(int(r[0]), int(r[1]), int(r[2]), KVStats(**{k: int(v) for k, v in zip(STAT_FIELDS, r[3:].tolist())}))
             for r in every[:, 0].cpu()]
 
 

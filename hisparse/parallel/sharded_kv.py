@@ -9,7 +9,8 @@ newest own tokens. The model passes global positions; the mapping happens here.
 
 Prefix caching works in units of R x lcm(P, I) global tokens: each rank owns lcm(P, I) positions of every unit,
 whole pages of its store, so a unit is cached or not on every rank alike. Rank 0 decides every hit and every unit
-cached (`record`: the ops the followers replay, `attach_units` and `cache_units`); each rank keeps its own rows.
+cached (`record`: the ops the followers replay with `attach_units` and `cache_units`); each rank keeps its own
+rows.
 
 Capacity and admission are reported in global tokens. Rank 0 owns the first interleave block, so its share of
 any context is the largest; the scheduler runs on rank 0, and a reservation that fits rank 0 fits every rank
@@ -126,16 +127,6 @@ class ShardedKV(LatentKV):
         self.inner.attached(req, self.sharding.count_owned(n_tokens), self.unit_page_keys(keys))
         if self.record is not None:
             self.record(("prefix", req, keys))
-
-    def attach_units(self, req: Hashable, keys: list[bytes]) -> None:
-        """A follower: start req from the cached units `keys`, as rank 0 did (the same units are cached here)."""
-        pages = self.pages.cache.lookup(self.unit_page_keys(keys))
-        if len(pages) < len(keys) * self.unit_pages:
-            raise RuntimeError(f"DCP rank {self.sharding.rank}: rank 0 started request {req!r} from {len(keys)} "
-                               f"cached units, this rank holds {len(pages) // self.unit_pages} of them")
-        self.pages.share(req, pages)
-        self.chains[req], self.committed[req] = list(keys), len(keys)
-        self.inner.attached(req, len(pages) * self.page_tokens, self.unit_page_keys(keys))
 
     def cache_units(self, req: Hashable, first: int, keys: list[bytes]) -> None:
         super().cache_units(req, first, keys)

@@ -47,8 +47,9 @@ class Metrics:
         self.kv = {k: Counter(name, doc, registry=r) for k, (name, doc) in KV_COUNTERS.items()}
         self.pool_usage = Gauge("hisparse_host_pool_usage_ratio", "Fraction of the KV store reserved", registry=r)
         self.reserved = Gauge("hisparse_kv_reserved_tokens", "KV tokens reserved by admitted requests", registry=r)
-        self.index_bytes = Gauge("hisparse_kv_index_cache_bytes", "Indexer-key bytes held on the device",
-                                 registry=r)
+        self.index_bytes = Gauge("hisparse_kv_index_cache_bytes", "Indexer-key bytes running requests hold on the "
+                                 "device", registry=r)
+        self.cached_pages = Gauge("hisparse_prefix_cache_pages", "Pages the prefix cache holds", registry=r)
         self.resident_rows = Gauge("hisparse_resident_rows", "Latent rows (positions x KV-owning layers) held in "
                                    "resident device pages (--kv-offload hybrid)", registry=r)
         self.residency = Histogram("hisparse_request_residency_ratio", "Fraction of a finished request's pages "
@@ -78,6 +79,8 @@ class Metrics:
                                      registry=r)
         self.rank_pool_used = Gauge("hisparse_dcp_host_pool_used_tokens", "Token slots in use in each DCP rank's "
                                     "host pool (whole pages)", ["rank"], registry=r)
+        self.rank_pool_cached = Gauge("hisparse_dcp_prefix_cache_tokens", "Token slots of each DCP rank's host pool "
+                                      "that the prefix cache keeps (whole pages)", ["rank"], registry=r)
         self.rank_pool_capacity = Gauge("hisparse_dcp_host_pool_capacity_tokens",
                                         "Token slots of each DCP rank's host pool", ["rank"], registry=r)
         self.rank_misses = Gauge("hisparse_dcp_cache_misses", "Selected rows each DCP rank copied host -> device "
@@ -105,12 +108,14 @@ class Metrics:
         self.pool_usage.set(s.kv_usage)
         self.reserved.set(s.kv_reserved_tokens)
         self.index_bytes.set(s.kv_index_cache_bytes)
+        self.cached_pages.set(s.kv_cached_pages)
         self.resident_rows.set(s.kv_resident_rows)
         for v in s.residency:
             self.residency.observe(v)
         for rank, pool in enumerate(s.kv_ranks):
             self.rank_pool_usage.labels(str(rank)).set(pool.usage_ratio)
             self.rank_pool_used.labels(str(rank)).set(pool.used_tokens)
+            self.rank_pool_cached.labels(str(rank)).set(pool.cached_tokens)
             self.rank_pool_capacity.labels(str(rank)).set(pool.capacity_tokens)
             self.rank_misses.labels(str(rank)).set(pool.stats.misses)
         if s.kv_ranks:

@@ -4,6 +4,7 @@ no docstrings: FastAPI would publish them in /openapi.json."""
 
 from __future__ import annotations
 
+import asyncio
 from importlib.metadata import version
 from typing import Any
 
@@ -28,6 +29,14 @@ async def health(request: Request) -> Response:
 @router.get("/metrics")
 async def prom(request: Request) -> Response:
     return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.post("/reset_prefix_cache", response_model=None)
+async def reset_prefix_cache(request: Request) -> dict[str, Any]:
+    engine = request.app.state.engine
+    if engine.fatal is not None:
+        raise APIError(503, f"engine stopped: {engine.fatal}", code="engine_stopped", kind="server_error")
+    return {"dropped_pages": await asyncio.wrap_future(engine.reset_prefix_cache())}
 
 
 @router.get("/v1/models", response_model=None)
