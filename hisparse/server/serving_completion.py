@@ -36,6 +36,9 @@ class ServingCompletion(ServingBase):
         return [self.codec.encode(p) if isinstance(p, str) else p for p in req.prompts]
 
     def _texts(self, req: CompletionRequest, prompts: list[list[int]]) -> list[str]:
+        """The prompts' texts, for echo (decoding a long token-id prompt costs more than a cached prefill)."""
+        if not req.echo:
+            return [""] * len(prompts)
         return [p if isinstance(p, str) else self.codec.text.decode(ids) for p, ids in zip(req.prompts, prompts)]
 
 
