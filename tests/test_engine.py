@@ -3,8 +3,6 @@ batched sampling against an independent reference, seeded reproducibility, stop 
 
 from __future__ import annotations
 
-from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_model
 from hisparse.core.batch import Segment
 from hisparse.core.config import preset_params
 from hisparse.engine.engine import Engine
