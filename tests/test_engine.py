@@ -3,7 +3,6 @@ batched sampling against an independent reference, seeded reproducibility, stop 
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import torch
