@@ -14,7 +14,7 @@ addressed by the KV store's page table; every store scores them the same way, so
 
 Prefix caching (`prefix_caching`): full pages stay cached after their request ends (their latent rows wherever
 the store keeps them, and their indexer keys under the same page id), keyed by the chain of their tokens
-(`host_pool.prefix_cache`). `match_prefix` starts a new request from its longest cached page-aligned prefix and
+(`host_pool.prefix_cache`). `admit` starts a new request from its longest cached page-aligned prefix and
 `commit_prefix` caches a request's pages as they fill; cached pages are evicted only for room (`reserve`,
 `PageTable.ensure`), never from a running request.
 """
