@@ -54,6 +54,8 @@ class DeviceArena:
                                             device=self.device)                              # [O, 1]
         self.owner_win_base = torch.tensor([[self.win_base[o]] for o in self.owners], dtype=torch.long,
                                            device=self.device)                               # [O, 1]
+        self.owner_page_base = torch.tensor([[self.page_base[o]] for o in self.owners], dtype=torch.long,
+                                            device=self.device)                              # [O, 1]
 
     def regions(self) -> list[tuple[int, int, int]]:
         """(base, rows per slot, slots) of every per-request region, for re-layout."""

@@ -122,10 +122,16 @@ class ResidentPages:
         """How many of these host pages (one request's) are resident."""
         return sum(h in self.dev_of for h in host_pages)
 
-    def locate(self, d: torch.Tensor, sel: torch.Tensor, page_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def locate(self, d: torch.Tensor, sel: torch.Tensor, page_tokens: int, every: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """For a selection sel [n, k] (-1 padded) whose positions lie on device pages d [n, k] (-1: host only):
         which are resident, and their row in the page region (device page * P + position % P); stamps the pages
-        used with the current step."""
-        hit = (sel >= 0) & (d >= 0)
-        self.stamp.index_fill_(0, torch.where(hit, d, self.n_pages).flatten(), self.step)
+        used with the current step. `every`: every page of the selection's requests is resident (fewer ops; a
+        padded entry then stamps its request's first page, which only keeps that page resident longer)."""
+        if every:
+            hit = sel >= 0
+            self.stamp.index_fill_(0, d.flatten(), self.step)
+        else:
+            hit = (sel >= 0) & (d >= 0)
+            self.stamp.index_fill_(0, torch.where(hit, d, self.n_pages).flatten(), self.step)
         return hit, d.clamp(min=0) * page_tokens + sel.clamp(min=0) % page_tokens

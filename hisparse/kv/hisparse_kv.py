@@ -65,7 +65,7 @@ class HiSparseKV(LatentKV):
         self.resident = ResidentPages(n_pages, self.device) if n_pages else None
         self.placed: dict[Hashable, int] = {}   # request -> how many of its pages were offered a device page
         self.resident_split: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self.resident_count = torch.zeros((), dtype=torch.long, device=self.device)   # this step's resident hits
+        self.resident_counts: list[tuple[int, torch.Tensor]] = []   # this step's (member layers, resident hits)
         self.seg_pages: torch.Tensor | None = None   # per step: [S, max_pages] device page (-1: host only)
         self.all_resident = False   # per step: every page of every request of the step is resident
         self.arena = DeviceArena({l.index: l.kv_source for l in cfg.layers}, n_slots, window, sink_tokens,
@@ -79,6 +79,9 @@ class HiSparseKV(LatentKV):
         self.step_slot = self.step_row0 = None        # [S] per segment: request slot, first row in the step region
         self.step_rows: tuple[torch.Tensor, torch.Tensor] | None = None   # (seg, positions) of this step's writes
         self.step_host_rows: torch.Tensor | None = None   # their rows in a host-pool layer view (host tensor)
+        self.step_page_rows: torch.Tensor | None = None   # their rows within a page region (-1: host only)
+        # where each KV owner's layer view starts in pool.rows, in the arena's owner order [O, 1] (host)
+        self.owner_pool_base = torch.tensor([[pool.layer_offset(o)] for o in self.arena.owners], dtype=torch.long)
         self.plans: dict[int, Plan] = {}
         self.located: tuple[torch.Tensor, torch.Tensor] | None = None   # (selection, its plan entries)
         self.fetched: dict[int, tuple[torch.Tensor, object | None]] = {}   # layer -> (its misses' rows, event)
@@ -194,13 +197,13 @@ class HiSparseKV(LatentKV):
         cached = self.resident_split.get(group)
         if cached is not None and cached[0] is sel:
             return cached[1:]
-        hit, prow = self.resident.locate(self.page_of(seg[:, None], sel), sel, self.page_tokens)
+        hit, prow = self.resident.locate(self.page_of(seg[:, None], sel), sel, self.page_tokens, self.all_resident)
         out = (None if self.all_resident else torch.where(hit, -1, sel), hit, prow)
         if cached is None:     # the group's own selection: count its distinct resident positions once
             self.resident_split[group] = (sel, *out)
             # one query row per segment (decode): its selections are distinct; otherwise mark them
             n = hit.sum() if sel.shape[0] == self.step_slot.numel() else self.distinct(seg, sel, hit)
-            self.resident_count += len(self.members[group]) * n
+            self.resident_counts.append((len(self.members[group]), n))
         return out
 
     def on_pages(self, layer: int, hit: torch.Tensor, prow: torch.Tensor, other: torch.Tensor | int) -> torch.Tensor:
@@ -224,14 +227,20 @@ class HiSparseKV(LatentKV):
         return mark[:total].sum()
 
     def end_step(self) -> None:
-        """Finish the host backups, then move the step's newest rows into the resident windows (one gather and
-        one scatter for every KV-owning layer at once) and advance every written request's window bounds."""
-        self.copier.flush()
+        """Back the step's new rows up to the host pool (torch path: every KV-owning layer's in one copy), move the
+        newest into the resident windows (one gather and one scatter for every KV-owning layer at once) and
+        advance every written request's window bounds."""
         if self.step_rows is not None:
             seg, pos = self.step_rows
             a, slot = self.arena, self.step_slot[seg]
             end = self.tables.end[seg]
-            src = a.gather(a.owner_step_base + torch.arange(pos.numel(), device=self.device))      # [O, n, B]
+            # [O, n, B]: from the step region, or from their resident pages when the step wrote only those
+            src = a.gather(a.owner_page_base + self.step_page_rows if self.all_resident else
+                           a.owner_step_base + torch.arange(pos.numel(), device=self.device))
+            if self.kernels != "triton":     # (the Triton path's backup kernel wrote them during the step)
+                rows = (self.owner_pool_base + self.step_host_rows).flatten()                          # host
+                self.copier.backup(src.flatten(0, 1), lambda d: self.pool.rows.index_copy_(0, rows, d.cpu()))
+                self.copier.flush()
             # sink positions go to their sink rows, the segment's newest W others to their ring rows (p % W)
             keep = (pos < self.sinks) | (pos >= end - self.window) if self.window else pos < self.sinks
             dest = torch.where(keep, a.owner_win_base + a.window_index(slot, pos), a.scratch_row)    # [O, n]
@@ -239,13 +248,13 @@ class HiSparseKV(LatentKV):
             written = torch.zeros_like(self.win_len).scatter_reduce_(0, slot, end, "amax")
             self.win_len = torch.maximum(self.win_len, written)
             self.win_lo = torch.maximum(self.win_lo, self.win_len - self.window)
-        self.step_rows = self.step_host_rows = self.located = None
+        self.step_rows = self.step_host_rows = self.step_page_rows = self.located = None
         self.plans.clear()
         self.fetched.clear()
         self.kernel_plans.clear()
-        if self.resident is not None:
-            self.stats.resident_hits += int(self.resident_count)
-            self.resident_count.zero_()
+        if self.resident_counts:     # one read of the step's resident hits
+            self.stats.resident_hits += int(sum(m * n for m, n in self.resident_counts))
+            self.resident_counts.clear()
         if self.kernels == "triton":     # the step's one read of the device counters
             hits, misses, overlapped = self.kernel_counts.tolist()
             self.kernel_counts.zero_()
@@ -256,23 +265,25 @@ class HiSparseKV(LatentKV):
 
     # ---- the batch seam ----
     def write(self, layer: int, seg: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> None:
-        """This step's new rows of every request: into the arena's step region (read by this step's gathers and
-        moved into the windows at end_step), and backed up to the host pool eagerly."""
+        """This step's new rows of every request: into the arena's step region (read by this step's gathers,
+        moved into the windows and backed up to the host pool at end_step; the Triton path backs them up now) and
+        into their resident pages (hybrid; a step whose every page is resident writes only those)."""
         data = self.encode(rows).to(self.device)
         if self.step_rows is None:    # the same rows every KV-owning layer
             self.step_rows = (seg, positions)
+            if self.resident is not None:     # their rows within a page region (-1: host only), once per step
+                d = self.page_of(seg, positions)
+                self.step_page_rows = torch.where(d >= 0, d * self.page_tokens + positions % self.page_tokens, -1)
         a = self.arena
-        a.data[a.step_base[layer]: a.step_base[layer] + data.shape[0]] = data
+        if not self.all_resident:        # (a step whose every page is resident reads and keeps them there only)
+            a.data[a.step_base[layer]: a.step_base[layer] + data.shape[0]] = data
         if self.resident is not None:    # and into the positions' resident pages
-            d = self.page_of(seg, positions)
-            dest = a.page_base[layer] + d * self.page_tokens + positions % self.page_tokens
-            a.data.index_copy_(0, torch.where(d >= 0, dest, a.scratch_row), data)
+            r = a.page_base[layer] + self.step_page_rows
+            a.data.index_copy_(0, r if self.all_resident else torch.where(r >= a.page_base[layer], r, a.scratch_row),
+                               data)
         if self.kernels == "triton":      # straight into the pool, ordered before the next step's miss path
             from ..gpu_working_set.kernels.backup_triton import backup
             backup(data, self.pool.rows, self.step_pool_rows + self.pool.layer_offset(layer))
-        else:
-            view = self.pool.layer_view(layer)
-            self.copier.backup(data, lambda d, v=view, r=self.step_host_rows: v.index_copy_(0, r, d.cpu()))
         self.stats.device_to_host_bytes += data.numel()
 
     def gather(self, layer: int, seg: torch.Tensor, sel: torch.Tensor) -> RowSource:
@@ -291,8 +302,8 @@ class HiSparseKV(LatentKV):
         group = self.cfg.layers[layer].index_source
         rest, hit, prow = self.split_resident(group, seg, sel)
         a = self.arena
-        if rest is None:     # every row of the step is resident: one index into the page region
-            idx = self.on_pages(layer, hit, prow, a.zero_row)
+        if rest is None:     # every row of the step is resident: one index into the page region (an empty entry
+            idx = a.page_base[self.source(layer)] + prow      # reads its request's position 0: a finite row)
             return lambda lo, hi: self.layout.gather_unpack(a.data, idx[lo:hi], self.dtype)
         plan = self.plans.get(group)
         if plan is None:
