@@ -128,7 +128,9 @@ def main() -> None:
     g = torch.Generator().manual_seed(args.seed)
     prompts = [torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=g).tolist() for _ in range(max(conc))]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    sched = dict(max_model_len=length, max_num_batched_tokens=max(args.chunk, max(conc)))
+    # (room too for the interleaved comparisons' longer decodes)
+    sched = dict(max_model_len=args.prompt_len + max(max_tokens, 4 * args.decode_steps + 8),
+                 max_num_batched_tokens=max(args.chunk, max(conc)))
 
     settings = dataclasses.replace(KVSettings.from_args(args),
                                    host_pool_gib=max(1.0, 2 * max(conc) * length * latent_tok / 2**30))

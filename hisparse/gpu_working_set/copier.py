@@ -4,7 +4,8 @@ CUDA, torch path (`--kernels torch`): miss rows are gathered from the pinned poo
 copied host -> device with non_blocking copies on a side stream; each layer gets an event and waits once before
 its attention reads; every tensor one stream makes and the other uses is recorded on the other (record_stream).
 The Triton path copies misses inside the miss-path kernel (UVA reads of the pool) on the main stream.
-New rows are backed up device -> host eagerly on the same stream and scattered into the pool at flush.
+A step's new rows are backed up device -> host at its end (one copy on the side stream, ordered after the main
+stream's work) and scattered into the pool at flush.
 CPU (or any non-CUDA device): the same calls run as batched index_select / index_put, synchronously.
 """
 
