@@ -283,7 +283,8 @@ def reference(model_dir: Path, prompts: list[list[int]], budgets: list[int]) -> 
 def test_vllm_serve_greedy_equals_hisparse(server, ckpt, seed):
     """Concurrent greedy completions (a text prompt and token-id prompts, one far longer than the hot buffer plus
     the resident window) equal hisparse's own greedy tokens; the connector's counters equal the reference's
-    (rows written to and read back from the host pool); pool usage is non-zero while requests run and returns
+    (rows written to and read back from the host pool; hits and misses up to the batch's effect on the hot
+    buffers); pool usage is non-zero while requests run and returns
     to baseline when they finish."""
     rng = random.Random(seed)
     text = "The host pool keeps every latent row; the device keeps a few."
@@ -311,7 +312,16 @@ def test_vllm_serve_greedy_equals_hisparse(server, ckpt, seed):
     while (after := server.metrics())["live_requests"] != 0 and time.monotonic() < deadline:
         time.sleep(0.5)
     delta = {k: after[k] - before[k] for k in vars(ref_stats) if k != "steps" and not k.startswith("prefix_")}
-    assert delta == {k: getattr(ref_stats, k) for k in delta}, (delta, ref_stats)
+    want_stats = {k: getattr(ref_stats, k) for k in delta}
+    # rows written and looked up equal the lone runs' exactly; whether a lookup finds its row in a hot slot can
+    # differ with the batch's composition (seed 489494214: 1 lookup of 9,605 counts as a hit in the concurrent
+    # batch and a miss alone, with every attention output bit-identical in both)
+    lookups = delta["hits"] + delta["misses"]
+    assert lookups == want_stats["hits"] + want_stats["misses"], (delta, ref_stats)
+    assert abs(delta["misses"] - want_stats["misses"]) <= lookups // 1000, (delta, ref_stats)
+    exact = ("device_to_host_bytes", "resident_hits", "spilled_pages")
+    assert {k: delta[k] for k in exact} == {k: want_stats[k] for k in exact}, (delta, ref_stats)
+    assert delta["host_to_device_bytes"] == delta["misses"] * ref_stats.host_to_device_bytes / ref_stats.misses
     assert delta["device_to_host_bytes"] > 0 and delta["misses"] > 0 and delta["hits"] > 0
     assert peak["host_pool_pages_used"] > 0 and peak["live_requests"] >= 1, peak
     assert after["prefix_hits"] == before["prefix_hits"]     # four different prompts: nothing to share
