@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
 from pathlib import Path
 
-import httpx
+from benchmarks.hisparse_server import wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,16 +24,4 @@ def start_vllm(model_dir: Path, caching: bool, max_len: int, port: int, threads:
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_HOST_IP="127.0.0.1", HF_HUB_OFFLINE="1",
                VLLM_USE_V2_MODEL_RUNNER="0", OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND="nobind")
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, cwd=log.parent)
-    deadline = time.monotonic() + 600
-    while True:
-        if proc.poll() is not None:
-            raise SystemExit(f"vllm serve exited:\n{log.read_text()[-4000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise SystemExit(f"vllm serve did not start:\n{log.read_text()[-4000:]}")
-        time.sleep(1)
+    return wait_healthy(proc, port, log, "vllm serve", 600)
