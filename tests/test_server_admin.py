@@ -52,6 +52,7 @@ def test_prefix_cache_hits_and_reset(server: Server, tok, reference) -> None:
     assert answers == [tok.instruct_tokenizer.tokenizer.decode(reference(q, 6)) for q in qs]
     hits = after["hisparse_prefix_cache_hits_total"] - before["hisparse_prefix_cache_hits_total"]
     assert hits >= 256 and after["hisparse_prefix_cache_pages"] > 0     # the document's full pages, 64 tokens each
+    assert httpx.post(f"{server.url}/reset_prefix_cache").status_code == 401      # an admin route: the API key
     r = httpx.post(f"{server.url}/reset_prefix_cache", headers=auth())
     assert r.status_code == 200 and r.json()["dropped_pages"] == after["hisparse_prefix_cache_pages"]
     assert ask(qs[1]) == answers[1]

@@ -14,14 +14,17 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from .errors import APIError, error_response
 
 
+ADMIN_ROUTES = ("/reset_prefix_cache",)   # outside /v1, and guarded the same way
+
+
 class ApiKeyAuth:
-    """/v1 routes need `Authorization: Bearer <key>`."""
+    """/v1 routes and the admin routes need `Authorization: Bearer <key>`."""
 
     def __init__(self, app: ASGIApp, api_key: str):
         self.app, self.key = app, api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and (scope["path"].startswith("/v1") or scope["path"] in ADMIN_ROUTES):
             header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
             token = header[7:] if header.lower().startswith("bearer ") else ""
             if not secrets.compare_digest(token.encode(), self.key):
