@@ -244,3 +244,28 @@ def test_dcp_two_ranks_with_hits_equal_one(interleave: int) -> None:
     assert lead["hits"] == 2 * (150 // unit * unit)
     for rank in (lead, follow):
         assert rank["cached"] > 0 and rank["used"] == rank["cached"] and rank["held"] == 0
+
+
+def test_speculative_hits_keep_the_drafters_window() -> None:
+    """DSpark with prefix caching: a hit still computes the drafter's window of rows (the drafter reads their
+    hidden states), so the matched prefix stops that far before the prompt's end; greedy tokens equal decoding
+    without the cache and without speculation."""
+    from hisparse.engine.speculative import SpeculativeConfig
+    model = load_model(builtin_tiny())
+    window = model.cfg.mtp.sliding_window
+    g = torch.Generator().manual_seed(11)
+    doc = torch.randint(1000, model.cfg.vocab_size, (6 * PAGE + window,), generator=g).tolist()
+    ps = [doc + torch.randint(1000, model.cfg.vocab_size, (n,), generator=g).tolist() for n in (5, 9)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+    def run(caching: bool, spec: SpeculativeConfig | None) -> tuple[list[list[int]], HiSparseKV]:
+        kv = store(model.cfg, "hybrid", "fp8_ds_mla", caching)
+        e = Engine(model, kv, SchedulerConfig(max_model_len=512, max_num_seqs=4, max_num_batched_tokens=64),
+                   speculative=spec)
+        return [r.output for p in ps for r in e.generate([p], params)], kv
+
+    spec = SpeculativeConfig(num_speculative_tokens=2)
+    (got, kv), (want, _) = run(True, spec), run(False, None)
+    assert got == want
+    # the second prompt reuses every full page of the document but the drafter's window
+    assert kv.stats.prefix_hits == (len(ps[1]) - window) // PAGE * PAGE > 0
