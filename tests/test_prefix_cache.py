@@ -37,14 +37,16 @@ def model():
 
 def store(cfg, kind: str, layout: str, caching: bool, dtype: torch.dtype = torch.float32, pool_gib: float = 0.004):
     """A small store of `kind`: resident (ResidentKV), hisparse (always offload), hybrid (room for 64 pages) or
-    spilling (hybrid with room for 3 pages)."""
+    spilling (hybrid with room for 3 pages); '-triton': on the Triton kernels (interpreted on the CPU)."""
+    kind, _, kernels = kind.partition("-")
+    kernels = kernels or "torch"
     if kind == "resident":
-        return ResidentKV(cfg, layout, dtype=dtype, page_tokens=PAGE, prefix_caching=caching)
+        return ResidentKV(cfg, layout, dtype=dtype, page_tokens=PAGE, prefix_caching=caching, kernels=kernels)
     pages = {"hisparse": None, "hybrid": 64, "spilling": 3}[kind]
     probe = HiSparseKV(cfg, layout, host_pool_gib=0.001, page_tokens=PAGE)
     gib = None if pages is None else pages * probe.page_bytes / (1 << 30)
     return HiSparseKV(cfg, layout, "cpu", dtype, host_pool_gib=pool_gib, hot_buffer_tokens=16, resident_window=8,
-                      page_tokens=PAGE, device_kv_gib=gib, prefix_caching=caching)
+                      page_tokens=PAGE, device_kv_gib=gib, prefix_caching=caching, kernels=kernels)
 
 
 def serve(model, kv, req: str, tokens: list[int], decode: int) -> tuple[list[torch.Tensor], int]:
@@ -71,8 +73,9 @@ def serve(model, kv, req: str, tokens: list[int], decode: int) -> tuple[list[tor
     return out, start
 
 
-@pytest.mark.parametrize("kind", ["resident", "hisparse", "hybrid", "spilling"])
-@pytest.mark.parametrize("layout", ["fp8_ds_mla", "bf16"])
+@pytest.mark.parametrize("kind, layout", [
+    *((k, l) for k in ("resident", "hisparse", "hybrid", "spilling") for l in ("fp8_ds_mla", "bf16")),
+    pytest.param("spilling-triton", "fp8_ds_mla", marks=pytest.mark.slow)])   # the miss-path kernel, interpreted
 def test_hit_is_bit_identical_to_miss(model, kind: str, layout: str) -> None:
     """A (doc + q1) runs and ends; B (doc + q2, diverging mid-page) starts from the doc's full pages, C (the first
     two pages of the doc, then other tokens, then the doc's later pages again) from two pages only. Every logit of
