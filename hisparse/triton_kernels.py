@@ -62,7 +62,7 @@ def model_sizes() -> dict[str, ModelConfig]:
 
 
 def _meta(*shape: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    return torch.empty(*shape, dtype=dtype, device="meta")
+    return torch.empty(shape, dtype=dtype, device="meta")
 
 
 def _attention(cfg: ModelConfig, tp: int, dtype: torch.dtype, layout: str, index_cache: str, rows: int) -> None:
@@ -87,7 +87,7 @@ def _attention(cfg: ModelConfig, tp: int, dtype: torch.dtype, layout: str, index
     pool = _meta(1 << 20, B, dtype=torch.uint8)
     plan = miss_path_triton.miss_path(
         hot, _meta(reqs), _meta(reqs), _meta(reqs), _meta(reqs), _meta(reqs), SINKS, DEFAULT_WINDOW, seg,
-        _meta(rows, k), 1, pages, P, pool, _meta(members), _meta(arena_rows, B, dtype=torch.uint8),
+        _meta(rows, k), _meta(), pages, P, pool, _meta(members), _meta(arena_rows, B, dtype=torch.uint8),
         _meta(members, 5), max_rows_per_seg=rows // reqs)
     backup_triton.backup(_meta(rows, B, dtype=torch.uint8), pool, _meta(rows))
     H = cfg.n_heads // tp

@@ -97,7 +97,8 @@ class Case:
         d = lambda t: t.to(DEV)    # noqa: E731
         sel = self.sel if sel is None else sel
         out = miss_path(hot, d(self.slot_of_seg), d(self.step_start), d(self.step_row0), d(self.win_lo),
-                        d(self.win_len), self.sinks, self.window, d(self.seg), d(sel), self.stamp, d(self.pages),
+                        d(self.win_len), self.sinks, self.window, d(self.seg), d(sel), d(torch.tensor(self.stamp)),
+                        d(self.pages),
                         PAGE, self.pool.pin_memory() if DEV.type == "cuda" else self.pool, d(self.pool_off),
                         arena, d(self.kind_base), max_rows_per_seg=self.rows_per_seg, block_e=block_e)
         return hot, out, arena

@@ -34,3 +34,14 @@ def segment_positions(segments: list[Segment], device: torch.device | str = "cpu
     first_row = torch.cumsum(lengths, 0) - lengths
     positions = starts[seg] + torch.arange(int(lengths.sum())) - first_row[seg]
     return positions.to(device), seg.to(device)
+
+
+class _Padding:
+    """The request of a static step's padding segments (`PAD`): it holds a page and a slot like any request, its
+    rows are written and read by nobody else, and statistics leave it out."""
+
+    def __repr__(self) -> str:
+        return "PAD"
+
+
+PAD = _Padding()

@@ -30,6 +30,7 @@ from ..model.ml4 import ML4
 from .detokenizer import TextStream
 from .request import Request, RequestError, RequestOutput, SamplingParams, TokenLogprobs
 from .cuda_graphs import DecodeGraphs
+from .full_graph import FullGraphs
 from .hooks import EngineFatal, EngineHooks
 from .runner import ModelRunner, SegmentOutput
 from .sampling import SamplingBatch, sample, token_logprobs
@@ -72,7 +73,7 @@ class Engine:
 
     def __init__(self, model: ML4, kv: LatentKV, cfg: SchedulerConfig, eos_id: int | None = None,
                  decode: Callable[[list[int]], str] | None = None, speculative: SpeculativeConfig | None = None,
-                 proposer: Proposer | None = None, graphs: DecodeGraphs | None = None,
+                 proposer: Proposer | None = None, graphs: DecodeGraphs | FullGraphs | None = None,
                  hooks: EngineHooks | None = None):
         self.model, self.kv = model, kv
         self.graphs = graphs

@@ -10,6 +10,7 @@ from ..core.batch import ForwardTrace, Segment
 from ..kv.base import LatentKV
 from ..model.ml4 import ML4
 from .cuda_graphs import DecodeGraphs
+from .full_graph import FullGraphs
 from .hooks import EngineFatal, EngineHooks
 from .request import Request
 
@@ -87,11 +88,11 @@ def row_index(lengths: list[int], counts: list[int]) -> torch.Tensor:
 class ModelRunner:
     """Owns the model and the KV store; used only from the engine thread. `tap_layers`: layers whose hidden
     states every forward returns per segment (the drafter's context path); `graphs`: runs the decode steps it
-    handles (piecewise CUDA graphs), every other step runs the model's forward; `hooks` hear of every step
+    handles (full-step or piecewise CUDA graphs), every other step runs the model's forward; `hooks` hear of every step
     (rank 0 of a parallel group sends it to the followers first)."""
 
     def __init__(self, model: ML4, kv: LatentKV, tap_layers: tuple[int, ...] = (),
-                 graphs: DecodeGraphs | None = None, hooks: EngineHooks | None = None):
+                 graphs: DecodeGraphs | FullGraphs | None = None, hooks: EngineHooks | None = None):
         self.model, self.kv, self.tap_layers, self.graphs = model, kv, tuple(tap_layers), graphs
         self.hooks = hooks or EngineHooks()
 
@@ -102,11 +103,11 @@ class ModelRunner:
         lengths = [s.length for s in step.segments]
         at = row_index(lengths, counts).to(dev)
         trace = ForwardTrace(tap_layers=self.tap_layers) if self.tap_layers else None
-        tokens = torch.tensor(step.token_ids(), dtype=torch.long, device=dev)
+        tokens = torch.tensor(step.token_ids(), dtype=torch.long)    # host: the graphs send them with their inputs
         if self.graphs is not None and self.graphs.handles(step.segments, counts):
             logits = self.graphs.forward(tokens, step.segments, self.kv, trace).split(counts)
         else:
-            logits = self.model(tokens, step.segments, self.kv, logits_at=at, trace=trace).split(counts)
+            logits = self.model(tokens.to(dev), step.segments, self.kv, logits_at=at, trace=trace).split(counts)
         taps = {l: h.split(lengths) for l, h in trace.taps.items()} if trace is not None else {}
         return [SegmentOutput(i, r, s, lg[len(lg) - k:] if k else None, {l: t[j] for l, t in taps.items()},
                               lg if n > k else None)

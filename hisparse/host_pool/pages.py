@@ -107,11 +107,15 @@ class PageTable:
     def pages_of(self, req: Hashable) -> int:
         return len(self.tables.get(req, ()))
 
-    def table(self, reqs: Sequence[Hashable], device: torch.device | str = "cpu") -> torch.Tensor:
-        """Page ids [len(reqs), max pages] (long; rows padded with page 0, never read past a request's length)."""
+    def table(self, reqs: Sequence[Hashable], width: int | None = None) -> torch.Tensor:
+        """Page ids [len(reqs), width] on the host (width None: the most pages a request holds; long; rows padded
+        with page 0, never read past a request's length)."""
         empty = torch.zeros(1, dtype=torch.long)
         rows = [self.page_ids.get(r, empty) for r in reqs] or [empty]
-        return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)[: len(reqs)].to(device)
+        table = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)[: len(reqs)]
+        if width is not None:
+            table = torch.nn.functional.pad(table, (0, width - table.shape[1]))
+        return table
 
 
 def paged_rows(table: torch.Tensor, seg: torch.Tensor, positions: torch.Tensor, page_tokens: int) -> torch.Tensor:

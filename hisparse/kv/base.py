@@ -30,6 +30,7 @@ import torch
 from ..host_pool.pages import PageTable, paged_rows
 from ..host_pool.prefix_cache import PrefixCache, page_keys, salt_of
 from ..core.config import ModelConfig
+from ..core.step_inputs import StepInputs
 from .geometry import row_layout
 from .index_cache import IndexKeyStore
 from .scoring import Scorer, paged_topk
@@ -43,20 +44,11 @@ RowSource = Callable[[int, int], torch.Tensor]   # (lo, hi) -> decoded rows [hi 
 class StepTables:
     """Per-forward addressing on the compute device (segment s = the step's s-th segment, one per request)."""
     reqs: list[Hashable]
-    start: torch.Tensor          # [S] first position written this step
-    end: torch.Tensor            # [S] start + length: the context each segment's rows can see
-    pages: torch.Tensor          # [S, max_pages] page ids of the KV store's page table
-    max_end: int                 # the longest context of the step (host int, bounds padded key scans)
+    start: torch.Tensor | None   # [S] first position written this step
+    end: torch.Tensor | None     # [S] start + length: the context each segment's rows can see
+    pages: torch.Tensor | None   # [S, max_pages] page ids of the KV store's page table
+    max_end: int                 # bound on every end (host int: the width of padded key scans)
     host_pages: torch.Tensor     # the same page ids on the host, for host-side addressing (no device read)
-
-    @classmethod
-    def build(cls, segments: Sequence, pages: PageTable, device: torch.device) -> "StepTables":
-        reqs = [s.req for s in segments]
-        ends = [s.start + s.length for s in segments]
-        host_pages = pages.table(reqs)
-        return cls(reqs, torch.tensor([s.start for s in segments], dtype=torch.long, device=device),
-                   torch.tensor(ends, dtype=torch.long, device=device), host_pages.to(device),
-                   max(ends, default=0), host_pages)
 
 
 @dataclass
@@ -143,17 +135,60 @@ class LatentKV(ABC):
         return self.cfg.layers[layer].kv_source
 
     # ---- step lifecycle ----
-    def begin_step(self, segments: Sequence, query_rows: Sequence[int] | None = None) -> None:
+    def begin_step(self, segments: Sequence, query_rows: Sequence[int] | None = None,
+                   inputs: StepInputs | None = None, span: int | None = None) -> dict[str, torch.Tensor]:
         """Called once before each forward with its segments (one per request): allocates their pages (so running
-        out fails before any row is written) and builds the step's device tables. query_rows: the query rows of
-        each segment when they differ from the rows it stores (a DCP shard stores only its own positions)."""
+        out fails before any row is written) and sends the step's tables to the device in one copy. query_rows:
+        the query rows of each segment when they differ from the rows it stores (a DCP shard stores only its own
+        positions). inputs: the copy to add the tables to (the caller may have staged its own parts; a static
+        one keeps every table at the same device address for a step of the same shape); span: the positions every
+        segment's page table covers (None: the step's longest context), so tables and key scans have a shape
+        that does not depend on the step. Returns the copy's device views."""
         for seg in segments:
             self.pages.ensure(seg.req, seg.start + seg.length)
         self.index_keys.fit(self.pages.high_water)
-        self.tables = StepTables.build(segments, self.pages, self.device)
+        inputs = inputs if inputs is not None else StepInputs(self.device)
+        reqs = [s.req for s in segments]
+        max_end = span if span is not None else max((s.start + s.length for s in segments), default=0)
+        host_pages = self.pages.table(reqs, None if span is None else self.pages_for(span))
+        inputs.stage("start", torch.tensor([s.start for s in segments], dtype=torch.long))
+        inputs.stage("end", torch.tensor([s.start + s.length for s in segments], dtype=torch.long))
+        inputs.stage("pages", host_pages)
+        self.tables = StepTables(reqs, None, None, None, max_end, host_pages)   # device tables after the copy
+        self.stage(segments, query_rows, inputs)
+        views = inputs.commit()
+        self.tables.start, self.tables.end, self.tables.pages = views["start"], views["end"], views["pages"]
+        self.bind(views)
+        return views
+
+    def stage(self, segments: Sequence, query_rows: Sequence[int] | None, inputs: StepInputs) -> None:
+        """Host work of a step's start beyond the page tables, staging what the device needs into `inputs`."""
+
+    def bind(self, views: dict[str, torch.Tensor]) -> None:
+        """Take this step's device views of what `stage` staged."""
 
     def end_step(self) -> None:
-        """Called once after each forward (HiSparse flushes eager backups and updates its windows here)."""
+        """Called once after each forward: `end_step_device` then `end_step_host`."""
+        self.end_step_device()
+        self.end_step_host()
+
+    def end_step_device(self) -> None:
+        """The device work that closes a step (HiSparse: backups, window moves), with static shapes and no host
+        read: a full-step CUDA graph captures it with the forward."""
+
+    def end_step_host(self) -> None:
+        """The host bookkeeping that closes a step (after the device work, or its graph's replay)."""
+
+    def forget_step(self) -> None:
+        """Drop what the seam calls of this step cached on the host (plans, fetched rows), so the step's calls can
+        run again from the start: a full-step graph records them after the step's eager run."""
+
+    def device_buffers(self) -> list[torch.Tensor]:
+        """The device tensors the seam calls read and write in place (a recorded step holds their addresses)."""
+        return list(self.index_keys.data.values())
+
+    def sync_stats(self) -> None:
+        """Fold counters kept on the device into `stats` (a host read; stores that count on the host: nothing)."""
 
     # ---- the batch seam: one call per layer for every row of the step ----
     @abstractmethod

@@ -27,19 +27,22 @@ import torch
 from ..host_pool.pages import paged_rows
 from ..host_pool.pool import HostPool
 from ..core.config import ModelConfig
-from ..core.batch import segment_positions
+from ..core.batch import PAD, segment_positions
+from ..core.step_inputs import StepInputs
 from .geometry import row_layout
 from .base import LatentKV, RowSource
 from ..gpu_working_set.arena import DeviceArena
 from ..gpu_working_set.copier import Copier
 from ..gpu_working_set.resident_pages import ResidentPages
-from ..gpu_working_set.resolver import EXTRA, HotSlots, Plan, resolve
+from ..gpu_working_set.resolver import EXTRA, KEY_SPAN, NO_KEY, HotSlots, Plan, resolve
+from ..gpu_working_set.static_plan import StaticPlan, resolve_static
 
 if TYPE_CHECKING:
     from ..gpu_working_set.kernels.miss_path_triton import MissPath
 
 DEFAULT_WINDOW = 64
 DEFAULT_SINKS = 4
+STATS_EVERY = 16   # static steps: the device counters are read once per this many steps
 
 
 class HiSparseKV(LatentKV):
@@ -65,7 +68,6 @@ class HiSparseKV(LatentKV):
         self.resident = ResidentPages(n_pages, self.device) if n_pages else None
         self.placed: dict[Hashable, int] = {}   # request -> how many of its pages were offered a device page
         self.resident_split: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self.resident_counts: list[tuple[int, torch.Tensor]] = []   # this step's (member layers, resident hits)
         self.seg_pages: torch.Tensor | None = None   # per step: [S, max_pages] device page (-1: host only)
         self.all_resident = False   # per step: every page of every request of the step is resident
         self.arena = DeviceArena({l.index: l.kv_source for l in cfg.layers}, n_slots, window, sink_tokens,
@@ -88,9 +90,11 @@ class HiSparseKV(LatentKV):
         # Triton path: index group -> (the selection its miss path ran on, the result), and the step's hits,
         # misses and overlapped copies counted on the device (read once, at end_step)
         self.kernel_plans: dict[int, tuple[torch.Tensor, MissPath]] = {}
-        self.kernel_counts = torch.zeros(3, dtype=torch.long, device=self.device)
+        self.kernel_counts = torch.zeros(4, dtype=torch.long, device=self.device)
         self.pool_offsets = {g: torch.tensor([pool.layer_offset(m) for m in ms], dtype=torch.long, device=self.device)
                              for g, ms in self.members.items()}       # where each member's rows start in pool.rows
+        self.static = False     # per step: a static step (full-step graphs), see `stage`
+        self.stamp = self.real = None    # per step on the device: the LRU stamp, [S] 1 for a real segment
         self.max_rows = 0       # the most query rows one segment of this step has
         self.step_context = 0   # positions the step's requests hold in all (the sum of their ends)
         self.step_pool_rows: torch.Tensor | None = None   # step_host_rows on the device (Triton backups)
@@ -100,31 +104,48 @@ class HiSparseKV(LatentKV):
         return self.pool.token_capacity
 
     # ---- step lifecycle ----
-    def begin_step(self, segments: Sequence, query_rows: Sequence[int] | None = None) -> None:
-        super().begin_step(segments, query_rows)   # pages first: an exhausted pool fails before any row is written
+    def stage(self, segments: Sequence, query_rows: Sequence[int] | None, inputs: StepInputs) -> None:
+        """Request slots, the step region's and host pool's rows of the step's writes, the LRU stamp and (hybrid)
+        page placement; a static step (full-step graphs: `inputs.static`) runs the seam without host branches."""
+        self.static = inputs.static
         for seg in segments:
             self.slot_for(seg.req)
         self.fit_slots(max(self.slot_of.values(), default=-1) + 1, sum(s.length for s in segments))
-        self.step_slot = torch.tensor([self.slot_of[s.req] for s in segments], dtype=torch.long, device=self.device)
         # write() receives the step's rows in this flat order (segment by segment, positions ascending), so their
         # step-region rows and host-pool rows are known here, on the host, without reading the device
         positions, seg = segment_positions(list(segments))
         lengths = torch.tensor([s.length for s in segments], dtype=torch.long)
-        self.step_row0 = (torch.cumsum(lengths, 0) - lengths).to(self.device)
         self.step_host_rows = paged_rows(self.tables.host_pages, seg, positions, self.page_tokens)
         self.max_rows = max(query_rows if query_rows is not None else (s.length for s in segments), default=0)
         self.step_context = sum(s.start + s.length for s in segments)
-        if self.kernels == "triton":      # the backup kernel addresses the pool from the device
-            self.step_pool_rows = self.step_host_rows.to(self.device)
         self.step += 1
         self.stats.steps += 1
-        if self.resident is not None:
-            self.place_pages(segments)
-        self.step_rows = self.located = None
+        inputs.stage("slot", torch.tensor([self.slot_of[s.req] for s in segments], dtype=torch.long))
+        inputs.stage("row0", torch.cumsum(lengths, 0) - lengths)
+        inputs.stage("pool_rows", self.step_host_rows)
+        inputs.stage("stamp", torch.tensor(self.step))
+        inputs.stage("real", torch.tensor([s.req is not PAD for s in segments]))
+        rows = sum(s.length for s in segments if s.req is not PAD)
+        self.stats.device_to_host_bytes += rows * self.layout.row_bytes * len(self.arena.owners)
+        if self.resident is not None:     # (padding never takes a device page from a request)
+            self.place_pages([s for s in segments if s.req is not PAD])
+        self.forget_step()
+
+    def forget_step(self) -> None:
+        self.step_rows = self.step_page_rows = self.located = self.seg_pages = None
         self.plans.clear()
         self.fetched.clear()
         self.kernel_plans.clear()
         self.resident_split.clear()
+
+    def device_buffers(self) -> list[torch.Tensor]:
+        res = [] if self.resident is None else [self.resident.slot_of, self.resident.stamp]
+        return (super().device_buffers() + [self.arena.data, self.win_lo, self.win_len, self.kernel_counts] + res
+                + [t for h in self.hot.values() for t in (h.pos, h.stamp, h.key_base)])
+
+    def bind(self, views: dict[str, torch.Tensor]) -> None:
+        self.step_slot, self.step_row0, self.step_pool_rows = views["slot"], views["row0"], views["pool_rows"]
+        self.stamp, self.real = views["stamp"], views["real"]
 
     def place_pages(self, segments: Sequence) -> None:
         """Hybrid: offer every request's new pages a device page (spilling the coldest others' if the device is
@@ -146,8 +167,8 @@ class HiSparseKV(LatentKV):
             self.copy_back(back)
         res.apply()
         self.stats.spilled_pages = res.spilled_pages
-        self.seg_pages = res.slot_of[self.tables.pages]     # [S, max_pages] device page of each segment's pages
-        self.all_resident = all(h in res.dev_of for s in segments for h in tables[s.req])
+        # a static step runs the general path whatever is resident (its ops must not depend on the step)
+        self.all_resident = not self.static and all(h in res.dev_of for s in segments for h in tables[s.req])
 
     def grow_pages(self, want: int) -> None:
         """Allocate resident pages towards `want` (up to the budget) and grow the arena's page region to match."""
@@ -197,13 +218,15 @@ class HiSparseKV(LatentKV):
         cached = self.resident_split.get(group)
         if cached is not None and cached[0] is sel:
             return cached[1:]
-        hit, prow = self.resident.locate(self.page_of(seg[:, None], sel), sel, self.page_tokens, self.all_resident)
+        hit, prow = self.resident.locate(self.page_of(seg[:, None], sel), sel, self.page_tokens, self.stamp,
+                                         self.all_resident)
         out = (None if self.all_resident else torch.where(hit, -1, sel), hit, prow)
         if cached is None:     # the group's own selection: count its distinct resident positions once
             self.resident_split[group] = (sel, *out)
+            hit = hit & (self.real[seg] > 0)[:, None]
             # one query row per segment (decode): its selections are distinct; otherwise mark them
             n = hit.sum() if sel.shape[0] == self.step_slot.numel() else self.distinct(seg, sel, hit)
-            self.resident_counts.append((len(self.members[group]), n))
+            self.kernel_counts[3] += len(self.members[group]) * n
         return out
 
     def on_pages(self, layer: int, hit: torch.Tensor, prow: torch.Tensor, other: torch.Tensor | int) -> torch.Tensor:
@@ -213,12 +236,18 @@ class HiSparseKV(LatentKV):
 
     def page_of(self, seg: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The device page (-1: host only) of positions of segments `seg` (broadcast together), one flat gather."""
+        if self.seg_pages is None:      # [S, max_pages] device page of each segment's pages, once per step
+            self.seg_pages = self.resident.slot_of[self.tables.pages]
         width = self.seg_pages.shape[1]
         return torch.take(self.seg_pages, seg * width + positions.clamp(min=0) // self.page_tokens)
 
     def distinct(self, seg: torch.Tensor, sel: torch.Tensor, hit: torch.Tensor) -> torch.Tensor:
         """How many distinct (segment, position) pairs the `hit` entries of sel [n, k] name (a device count): one
-        mark per position of the step's contexts, no sort."""
+        mark per position of the step's contexts, no sort; a static step sorts its keys (a size fixed by the
+        step's shape)."""
+        if self.static:
+            keys, _ = torch.sort(torch.where(hit, seg[:, None] * KEY_SPAN + sel, NO_KEY).flatten())
+            return (keys[:1] != NO_KEY).sum() + ((keys[1:] != keys[:-1]) & (keys[1:] != NO_KEY)).sum()
         ends = self.tables.end
         base = torch.cumsum(ends, 0) - ends
         total = self.step_context
@@ -226,42 +255,49 @@ class HiSparseKV(LatentKV):
         mark[torch.where(hit, base[seg][:, None] + sel, total)] = True
         return mark[:total].sum()
 
-    def end_step(self) -> None:
+    def end_step_device(self) -> None:
         """Back the step's new rows up to the host pool (torch path: every KV-owning layer's in one copy), move the
         newest into the resident windows (one gather and one scatter for every KV-owning layer at once) and
-        advance every written request's window bounds."""
-        if self.step_rows is not None:
-            seg, pos = self.step_rows
-            a, slot = self.arena, self.step_slot[seg]
-            end = self.tables.end[seg]
-            # [O, n, B]: from the step region, or from their resident pages when the step wrote only those
-            src = a.gather(a.owner_page_base + self.step_page_rows if self.all_resident else
-                           a.owner_step_base + torch.arange(pos.numel(), device=self.device))
-            if self.kernels != "triton":     # (the Triton path's backup kernel wrote them during the step)
-                rows = (self.owner_pool_base + self.step_host_rows).flatten()                          # host
-                self.copier.backup(src.flatten(0, 1), lambda d: self.pool.rows.index_copy_(0, rows, d.cpu()))
-                self.copier.flush()
-            # sink positions go to their sink rows, the segment's newest W others to their ring rows (p % W)
-            keep = (pos < self.sinks) | (pos >= end - self.window) if self.window else pos < self.sinks
-            dest = torch.where(keep, a.owner_win_base + a.window_index(slot, pos), a.scratch_row)    # [O, n]
-            a.data.index_copy_(0, dest.flatten(), src.flatten(0, 1))
-            written = torch.zeros_like(self.win_len).scatter_reduce_(0, slot, end, "amax")
-            self.win_len = torch.maximum(self.win_len, written)
-            self.win_lo = torch.maximum(self.win_lo, self.win_len - self.window)
-        self.step_rows = self.step_host_rows = self.step_page_rows = self.located = None
-        self.plans.clear()
-        self.fetched.clear()
-        self.kernel_plans.clear()
-        if self.resident_counts:     # one read of the step's resident hits
-            self.stats.resident_hits += int(sum(m * n for m, n in self.resident_counts))
-            self.resident_counts.clear()
-        if self.kernels == "triton":     # the step's one read of the device counters
-            hits, misses, overlapped = self.kernel_counts.tolist()
-            self.kernel_counts.zero_()
-            self.stats.hits += hits
-            self.stats.misses += misses
-            self.stats.overlapped_copies += overlapped
-            self.stats.host_to_device_bytes += misses * self.layout.row_bytes
+        advance every written request's window bounds (in place: a captured step replays on the same tensors)."""
+        if self.step_rows is None:
+            return
+        seg, pos = self.step_rows
+        a, slot = self.arena, self.step_slot[seg]
+        end = self.tables.end[seg]
+        # [O, n, B]: from the step region, or from their resident pages when the step wrote only those
+        src = a.gather(a.owner_page_base + self.step_page_rows if self.all_resident else
+                       a.owner_step_base + torch.arange(pos.numel(), device=self.device))
+        if self.kernels != "triton":     # (the Triton path's backup kernel wrote them during the step)
+            # the pool's rows: addressed from the host on CUDA, from the step's inputs on the CPU (where the
+            # pool and the inputs share the device, so a static step reads the same tensor every time)
+            rows = (self.owner_pool_base + (self.step_host_rows if self.copier.cuda else self.step_pool_rows))
+            self.copier.backup(src.flatten(0, 1), lambda d: self.pool.rows.index_copy_(0, rows.flatten(), d.cpu()))
+            self.copier.flush()
+        # sink positions go to their sink rows, the segment's newest W others to their ring rows (p % W)
+        keep = (pos < self.sinks) | (pos >= end - self.window) if self.window else pos < self.sinks
+        dest = torch.where(keep, a.owner_win_base + a.window_index(slot, pos), a.scratch_row)    # [O, n]
+        a.data.index_copy_(0, dest.flatten(), src.flatten(0, 1))
+        written = torch.zeros_like(self.win_len).scatter_reduce_(0, slot, end, "amax")
+        torch.maximum(self.win_len, written, out=self.win_len)
+        torch.maximum(self.win_lo, self.win_len - self.window, out=self.win_lo)
+
+    def end_step_host(self) -> None:
+        """Forget the step's per-layer state; fold the device counters into `stats` every step (eager) or every
+        STATS_EVERY steps (static steps: no host read on most steps)."""
+        self.forget_step()
+        self.step_host_rows = None
+        if not self.static or self.step % STATS_EVERY == 0:
+            self.sync_stats()
+
+    def sync_stats(self) -> None:
+        """Fold the device counters (hits, misses, overlapped copies, resident hits) into `stats`: one read."""
+        hits, misses, overlapped, resident = self.kernel_counts.tolist()
+        self.kernel_counts.zero_()
+        self.stats.hits += hits
+        self.stats.misses += misses
+        self.stats.overlapped_copies += overlapped
+        self.stats.host_to_device_bytes += misses * self.layout.row_bytes
+        self.stats.resident_hits += resident
 
     # ---- the batch seam ----
     def write(self, layer: int, seg: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> None:
@@ -284,7 +320,6 @@ class HiSparseKV(LatentKV):
         if self.kernels == "triton":      # straight into the pool, ordered before the next step's miss path
             from ..gpu_working_set.kernels.backup_triton import backup
             backup(data, self.pool.rows, self.step_pool_rows + self.pool.layer_offset(layer))
-        self.stats.device_to_host_bytes += data.numel()
 
     def gather(self, layer: int, seg: torch.Tensor, sel: torch.Tensor) -> RowSource:
         """Every query row's selected rows: one index into the arena (plus this step's transient misses)."""
@@ -307,7 +342,7 @@ class HiSparseKV(LatentKV):
             return lambda lo, hi: self.layout.gather_unpack(a.data, idx[lo:hi], self.dtype)
         plan = self.plans.get(group)
         if plan is None:
-            plan = self.plans[group] = self.plan_group(group, seg, rest)
+            plan = self.plans[group] = (self.plan_static if self.static else self.plan_group)(group, seg, rest)
         extra, event = self.fetched.pop(layer)
         self.copier.wait(event)
         if self.located is None or self.located[0] is not sel:   # members of a group share the selection
@@ -316,9 +351,10 @@ class HiSparseKV(LatentKV):
         idx = (plan.local + a.kind_base[layer][plan.kind])[j]                                  # [n, k]
         if hit is not None:
             idx = self.on_pages(layer, hit, prow, idx)
-        self.stats.hits += plan.n_unique - plan.n_misses
-        self.stats.misses += plan.n_misses
-        self.stats.host_to_device_bytes += plan.n_misses * self.layout.row_bytes
+        if not self.static:       # (a static plan counts on the device)
+            self.stats.hits += plan.n_unique - plan.n_misses
+            self.stats.misses += plan.n_misses
+            self.stats.host_to_device_bytes += plan.n_misses * self.layout.row_bytes
         transient = (plan.kind[j] == EXTRA) if plan.n_transient else None
 
         def rows(lo: int, hi: int) -> torch.Tensor:
@@ -356,13 +392,31 @@ class HiSparseKV(LatentKV):
         from ..gpu_working_set.kernels.miss_path_triton import miss_path   # imports triton: only on the Triton path
         a, members = self.arena, self.members[group]
         out = miss_path(self.hot[group], self.step_slot, self.tables.start, self.step_row0, self.win_lo,
-                        self.win_len, self.sinks, self.window, seg, sel, self.step, self.tables.pages,
+                        self.win_len, self.sinks, self.window, seg, sel, self.stamp, self.tables.pages,
                         self.page_tokens, self.pool.rows, self.pool_offsets[group], a.data,
                         torch.stack([a.kind_base[m] for m in members]), max_rows_per_seg=self.max_rows)
         self.kernel_plans[group] = (launched, out)
-        unique, misses = out.counts.sum(0)
+        unique, misses = (out.counts * self.real[:, None]).sum(0)     # padding segments not counted
         n = len(members)
-        self.kernel_counts += torch.stack((n * (unique - misses), n * misses, (n - 1) * misses))
+        self.kernel_counts[:3] += torch.stack((n * (unique - misses), n * misses, (n - 1) * misses))
+
+    def plan_static(self, group: int, seg: torch.Tensor, sel: torch.Tensor) -> StaticPlan:
+        """`plan_group` of a static step (CPU: the pool is on the device): every entry's host row is fetched and
+        the misses' rows fill their hot slots (the others land in the scratch row), counted on the device."""
+        a, members = self.arena, self.members[group]
+        plan = resolve_static(self.hot[group], self.step_slot, self.tables.start, self.step_row0, self.win_lo,
+                              self.win_len, self.sinks, self.window, seg, sel, self.stamp, self.real,
+                              self.max_rows * sel.shape[1] > self.n_slots)
+        host_rows = paged_rows(self.tables.pages, plan.seg, plan.pos, self.page_tokens)
+        filled = plan.fill_dest >= 0
+        for member in members:
+            fetched = torch.index_select(self.pool.layer_view(member), 0, host_rows)
+            a.data.index_copy_(0, torch.where(filled, a.hot_base[member] + plan.fill_dest, a.scratch_row), fetched)
+            self.fetched[member] = (fetched, None)
+        unique, misses = plan.counts
+        n = len(members)
+        self.kernel_counts[:3] += torch.stack((n * (unique - misses), n * misses, (n - 1) * misses))
+        return plan
 
     def plan_group(self, group: int, seg: torch.Tensor, sel: torch.Tensor) -> Plan:
         """At the index group owner: resolve every request's selections once, then copy every member layer's

@@ -7,6 +7,7 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from ..core.config import ModelConfig
+from ..core.step_inputs import StepInputs
 from ..host_pool.pages import PageTable, paged_rows
 from .base import LatentKV, RowSource
 from .paged_store import PagedStore
@@ -26,13 +27,15 @@ class ResidentKV(LatentKV):
     def token_capacity(self) -> int | None:
         return self.budget_tokens
 
-    def begin_step(self, segments: Sequence, query_rows: Sequence[int] | None = None) -> None:
-        super().begin_step(segments, query_rows)
+    def stage(self, segments: Sequence, query_rows: Sequence[int] | None, inputs: StepInputs) -> None:
         self.rows.fit(self.pages.high_water)
 
     def reserve_device(self, max_seqs: int, max_tokens: int, step_rows: int) -> None:
         super().reserve_device(max_seqs, max_tokens, step_rows)
         self.rows.fit(max_seqs * self.pages_for(max_tokens))
+
+    def device_buffers(self) -> list[torch.Tensor]:
+        return super().device_buffers() + list(self.rows.data.values())
 
     def device_nbytes(self) -> int:
         return super().device_nbytes() + sum(t.nbytes for t in self.rows.data.values())

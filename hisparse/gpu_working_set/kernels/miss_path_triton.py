@@ -66,7 +66,7 @@ def _miss_path_kernel(
         sel_ptr, sel_s0, sel_s1, k,                          # selection [n, k] (strided)
         slot_of_seg_ptr, step_start_ptr, step_row0_ptr,      # [S]
         win_lo_ptr, win_len_ptr, sinks, window,              # [R] resident window [lo, len); its layout
-        hot_pos_ptr, hot_stamp_ptr, n_slots, stamp,          # LRU metadata [R * n_slots + 1]; this step's stamp
+        hot_pos_ptr, hot_stamp_ptr, n_slots, stamp_ptr,      # LRU metadata [R * n_slots + 1]; [] this step's stamp
         pages_ptr, pages_s0, page_tokens,                    # [S, max_pages] host pool page ids
         pool_ptr, pool_off_ptr,                              # host pool words [rows, W]; [M] a member's first row
         arena_ptr, n_arena_rows, kind_base_ptr, n_members,   # arena words [rows, W]; [M, 5] region bases by kind
@@ -88,6 +88,7 @@ def _miss_path_kernel(
     seg_key = s.to(tl.int64) * KEY_SPAN_C
     big = 9223372036854775807
     hot0 = r * n_slots
+    stamp = tl.load(stamp_ptr)
 
     # 1. the request's hot table sorted by (position, slot): a hit is found by binary search
     j = tl.arange(0, BLOCK_N)
@@ -208,13 +209,14 @@ _kernel = triton.jit(_miss_path_kernel)
 
 def miss_path(hot: HotSlots, slot_of_seg: torch.Tensor, step_start: torch.Tensor, step_row0: torch.Tensor,
               win_lo: torch.Tensor, win_len: torch.Tensor, sinks: int, window: int, seg: torch.Tensor,
-              sel: torch.Tensor, stamp: int, pages: torch.Tensor, page_tokens: int, pool: torch.Tensor,
+              sel: torch.Tensor, stamp: torch.Tensor, pages: torch.Tensor, page_tokens: int, pool: torch.Tensor,
               pool_offsets: torch.Tensor, arena: torch.Tensor, kind_base: torch.Tensor,
               max_rows_per_seg: int | None = None, block_e: int = 64) -> MissPath:
     """Resolve sel [n, k] (rows of segments seg [n], ascending) against `hot` (updated in place, as
     `resolver.resolve_torch` updates it), copy the misses of M member layers from pool [rows, B] uint8
     (member m's row i at pool_offsets[m] + i; CUDA: pinned and mapped) into arena [arena rows, B] uint8, and
-    return the arena rows of every selected position (see MissPath). kind_base [M, 5]: each member's region
+    return the arena rows of every selected position (see MissPath). stamp: this step's LRU stamp, a 0-dim
+    device tensor (a captured launch reads it on replay). kind_base [M, 5]: each member's region
     bases by kind (`DeviceArena.kind_base`). pages [S, max_pages]: host pool page ids of each segment.
     max_rows_per_seg: the most query rows one segment has (known on the host; None: n), which decides whether
     a transient miss is possible and so whether `extra` is allocated."""
