@@ -282,10 +282,10 @@ def add_parallel_args(p: argparse.ArgumentParser, dcp_timeout: float) -> None:
     p.add_argument("--dcp-timeout", type=float, default=dcp_timeout,
                    help="DCP: seconds a collective may wait for a peer rank before the server fails "
                         "(default: %(default)s)")
-    p.add_argument("--cuda-graph", choices=GRAPH_MODES, default="auto",
-                   help="decode steps as piecewise CUDA graphs at bucketed batch sizes (the KV seams run between "
-                        "them); auto: on CUDA with the Triton kernels; off: eager, for debugging "
-                        "(default: %(default)s)")
+    p.add_argument("--cuda-graph", choices=GRAPH_MODES, default="full",
+                   help="decode steps as CUDA graphs: full: the whole step (every layer and KV call) per step "
+                        "shape, on CUDA with the Triton kernels (parallel ranks: piecewise); piecewise: the dense "
+                        "parts between eager KV calls; off: eager, for debugging (default: %(default)s)")
 
 
 def add_train_needle(sub: argparse._SubParsersAction) -> None:

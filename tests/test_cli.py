@@ -186,7 +186,8 @@ def test_help_shows_every_default(cmd: str, monkeypatch: pytest.MonkeyPatch) -> 
     (["-tp", "8"], "--tensor-parallel-size: tensor parallelism over 8 ranks: n_heads (4) does not divide by 8"),
     (["-tp", "2", "-dcp", "3"], "--decode-context-parallel-size: dcp_size: 3 must divide tensor_parallel_size 2"),
     (["--tensor-parallel-size", "0"], "--tensor-parallel-size: tp_size: must be >= 1, got 0"),
-    (["--device", "cpu", "--cuda-graph", "on"], "--cuda-graph on: needs a CUDA device and --kernels triton")])
+    (["--device", "cpu", "--cuda-graph", "piecewise"],
+     "--cuda-graph piecewise: needs a CUDA device and --kernels triton")])
 def test_bad_parallel_sizes_fail_before_any_rank_starts(flags: list[str], message: str) -> None:
     """Sizes the checkpoint (built-in tiny: 4 heads) or each other cannot take, or graphs without CUDA: one
     message naming the flag."""

@@ -199,8 +199,8 @@ def test_tensor_parallel_piecewise_equals_the_forward(tmp_path, seed: int) -> No
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a capture that fails: here, one without CUDA")
 def test_a_failed_capture_falls_back_to_eager_only_where_allowed(model, caplog) -> None:
-    """'auto' on one rank: a capture that fails (here torch's own error: no CUDA) logs why and gives eager
-    decode; otherwise (--cuda-graph on, parallel ranks) the error stands."""
+    """One rank: a capture that fails (here torch's own error: no CUDA) logs why and gives eager decode; on
+    parallel ranks the error stands."""
     with caplog.at_level("WARNING", logger="hisparse.engine.cuda_graphs"):
         assert capture_graphs(model, 2, fallback=True) is None
     assert "capture failed" in caplog.text and "decode steps run eagerly" in caplog.text
@@ -212,14 +212,15 @@ def test_graph_settings() -> None:
     assert bucket_sizes(1) == [1]
     assert bucket_sizes(20) == [1, 2, 4, 8, 16, 20]
     assert bucket_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
-    assert not graphs_wanted("auto", "cpu", "torch")
-    assert graphs_wanted("auto", "cuda", "triton") and graphs_wanted("on", "cuda", "triton")
-    assert not graphs_wanted("auto", "cuda", "torch")
-    assert not graphs_wanted("off", "cuda", "triton")
-    with pytest.raises(GraphSettingError, match="--cuda-graph on: needs a CUDA device"):
-        graphs_wanted("on", "cpu", "triton")
+    assert graphs_wanted("full", "cpu", "torch") is None
+    assert graphs_wanted("full", "cuda", "triton") == "full"
+    assert graphs_wanted("piecewise", "cuda", "triton") == "piecewise"
+    assert graphs_wanted("full", "cuda", "torch") is None
+    assert graphs_wanted("off", "cuda", "triton") is None
+    with pytest.raises(GraphSettingError, match="--cuda-graph piecewise: needs a CUDA device"):
+        graphs_wanted("piecewise", "cpu", "triton")
     with pytest.raises(GraphSettingError, match="--kernels triton"):
-        graphs_wanted("on", "cuda", "torch")
+        graphs_wanted("piecewise", "cuda", "torch")
     with pytest.raises(GraphSettingError, match="must be one of"):
         graphs_wanted("yes", "cuda", "triton")
 

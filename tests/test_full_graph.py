@@ -196,3 +196,24 @@ def test_padding_holds_a_reserved_page_and_is_not_counted(seed: int, device_kv_g
         kv.sync_stats()
     assert static.stats.snapshot() == eager.stats.snapshot()
     assert static.stats.misses > 0
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and triton_support.available()),
+                    reason="needs CUDA and triton: graph capture exists only on a CUDA device")
+@pytest.mark.parametrize("offload", ["hisparse", "hybrid"])
+def test_recorded_steps_replay_the_eager_tokens(seed: int, offload: str) -> None:
+    """On CUDA with the Triton kernels: the full-step engine records its steps and replays them, and its greedy
+    tokens equal the eager engine's."""
+    model = random_model(preset_params("tiny"), seed=seed % 10_000).cuda()
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, model.cfg.vocab_size, (n,), generator=g).tolist() for n in (37, 5, 70, 21, 90, 13)]
+    make = lambda: KVSettings(offload=offload, host_pool_gib=0.01, hot_buffer_tokens=16, resident_window=8,  # noqa: E731
+                              page_tokens=16, device_kv_gib=6e-5, kernels="triton").attach(model)
+    cfg = SchedulerConfig(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64)
+    params = SamplingParams(max_tokens=10, temperature=0.0)
+    eager = [r.output for r in Engine(model, make(), cfg).generate(prompts, params)]
+    kv = make()
+    graphs = FullGraphs(model, kv, 8, capture=True)
+    full = [r.output for r in Engine(model, kv, cfg, graphs=graphs).generate(prompts, params)]
+    assert full == eager
+    assert any(g.graph is not None for g in graphs.graphs.values()), "no step was recorded"

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from hisparse.engine.cuda_graphs import DecodeGraphs
+from hisparse.engine.full_graph import FullGraphs
 from hisparse.engine.engine import Engine
 from hisparse.kv.settings import KVSettings
 from hisparse.engine.request import SamplingParams
@@ -93,7 +94,8 @@ def decode_trace(kernels: str, device: str, prompt_len: int, steps: int, trace: 
 
 
 def graph_steps(device: str, quick: bool) -> dict:
-    """P7: mean decode step time (ms) with piecewise CUDA graphs and eager, at batch 1 and 16 (same prompts)."""
+    """P7: mean decode step time (ms) with full-step and piecewise CUDA graphs and eager, at batch 1 and 16 (same
+    prompts)."""
     cuda = torch.device(device).type == "cuda"
     preset, prompt_len, steps = ("tiny", 64, 2) if quick else ("small", 2048, 16)
     model = random_model(preset_params(preset), 0).to(device)
@@ -105,8 +107,10 @@ def graph_steps(device: str, quick: bool) -> dict:
     prompts = [torch.randint(0, model.cfg.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(16)]
     out: dict = {}
     for batch in (1, 16):
-        for name, decode in (("graphs", graphs), ("eager", None)):
+        for name in ("full", "graphs", "eager"):
             kv = settings.attach(model) if kv is None else kv    # a fresh store for every run
+            decode = {"full": lambda: FullGraphs(model, kv, 16, capture=cuda), "graphs": lambda: graphs,
+                      "eager": lambda: None}[name]()
             eng = Engine(model, kv, graphs=decode,
                          cfg=SchedulerConfig(max_model_len=prompt_len + 64, max_num_seqs=batch,
                                              max_num_batched_tokens=4096))
@@ -126,6 +130,8 @@ def graph_steps(device: str, quick: bool) -> dict:
             kv = None
     return {"P7_graph_over_eager_batch1": out["graphs_ms_batch1"] / out["eager_ms_batch1"],
             "P7_graph_over_eager_batch16": out["graphs_ms_batch16"] / out["eager_ms_batch16"],
+            "P7_full_over_eager_batch1": out["full_ms_batch1"] / out["eager_ms_batch1"],
+            "P7_full_over_eager_batch16": out["full_ms_batch16"] / out["eager_ms_batch16"],
             "P7_detail": {**out, "captured": cuda, "preset": preset, "prompt_len": prompt_len}}
 
 

@@ -30,7 +30,9 @@ from pathlib import Path
 import torch
 
 from hisparse.engine.cuda_graphs import GRAPH_MODES, DecodeGraphs, graphs_wanted
+from hisparse.engine.full_graph import FullGraphs
 from hisparse.engine.engine import Engine
+from hisparse.kv.base import LatentKV
 from hisparse.kv.settings import KVSettings
 from hisparse.engine.request import SamplingParams
 from hisparse.engine.scheduler import SchedulerConfig
@@ -106,8 +108,9 @@ def main() -> None:
     ap.add_argument("--decode-steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     KVSettings.add_args(ap, ["layout", "hot_buffer_tokens", "resident_window", "page_tokens"])
-    ap.add_argument("--cuda-graph", choices=GRAPH_MODES, default="auto",
-                    help="decode steps as piecewise CUDA graphs (one set for every engine: they hold no KV)")
+    ap.add_argument("--cuda-graph", choices=GRAPH_MODES, default="full",
+                    help="decode steps as CUDA graphs: full (per engine: they hold its store's tables; a padding "
+                         "page more in each budget), piecewise (one set for every engine: they hold no KV), off")
     ap.add_argument("--chunk", type=int, default=1024, help="max tokens per forward (prefill chunk budget)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--threads", type=int, default=None)
@@ -138,9 +141,12 @@ def main() -> None:
     def hisparse_kv():
         return dataclasses.replace(settings, offload="hisparse").build(cfg, args.device)
 
-    graphs = None
-    if graphs_wanted(args.cuda_graph, args.device, settings.kernel_path(args.device)):
-        graphs = DecodeGraphs(model, max(conc), capture=True)
+    graph_mode = graphs_wanted(args.cuda_graph, args.device, settings.kernel_path(args.device))
+    pieces = DecodeGraphs(model, max(conc), capture=True) if graph_mode == "piecewise" else None
+    pad = settings.page_tokens if graph_mode == "full" else 0      # the full graphs' padding page
+
+    def graphs_for(kv: LatentKV, seqs: int) -> DecodeGraphs | FullGraphs | None:
+        return FullGraphs(model, kv, max(1, seqs), capture=True) if graph_mode == "full" else pieces
 
     # HiSparse device bytes per request, measured on one running request
     kv = hisparse_kv()
@@ -159,7 +165,7 @@ def main() -> None:
         for c in conc:
             if mode == "none":   # the budget in the store's page-rounded reservations of `length` tokens each
                 kv = ResidentKV(cfg, settings.layout, args.device, page_tokens=page,
-                                budget_tokens=limits["none"] * -(-length // page) * page)
+                                budget_tokens=limits["none"] * -(-length // page) * page + pad)
                 seqs = c
             elif mode == "hisparse":
                 kv = hisparse_kv()
@@ -171,7 +177,8 @@ def main() -> None:
             else:
                 kv = ResidentKV(cfg, settings.layout, args.device, page_tokens=page)
                 seqs = min(c, limits["hisparse"])
-            eng = Engine(model, kv, SchedulerConfig(max_num_seqs=max(1, seqs), **sched), graphs=graphs)
+            eng = Engine(model, kv, SchedulerConfig(max_num_seqs=max(1, seqs), **sched),
+                         graphs=graphs_for(kv, seqs))
             r = measure(eng, prompts[:c], params, args.warmup, args.decode_steps)
             r.update(mode=mode, concurrency=c)
             rows.append(r)
@@ -201,7 +208,7 @@ def main() -> None:
         "benchmark": "decode tokens/s vs concurrency at a fixed device budget", "preset": args.preset,
         "prompt_len": args.prompt_len, "kv_layout": args.kv_layout, "device": args.device,
         "machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-        "cuda_graphs": graphs is not None,
+        "cuda_graphs": graph_mode,
         "device_budget_bytes": budget, "bytes_per_request": {"none": none_req, "hisparse": hs_req},
         "hisparse_device_bytes_measured": seen, "max_concurrent": limits, "rows": rows,
         "one_request_interleaved_step_ms": alternating,

@@ -1,4 +1,5 @@
-"""Piecewise CUDA graphs for decode steps (`--cuda-graph`).
+"""Piecewise CUDA graphs for decode steps (`--cuda-graph piecewise`; `full` captures the whole step instead:
+full_graph.py).
 
 A decode step of n rows (one per request, or a speculative verify segment's anchor and drafts per request) runs at
 the smallest bucket size B >= n: its tokens and positions are copied into rows [:B] of the static rows (rows
@@ -33,28 +34,29 @@ from ..model.ml4 import ML4
 
 log = logging.getLogger(__name__)
 
-GRAPH_MODES = ("auto", "on", "off")
+GRAPH_MODES = ("full", "piecewise", "off")
 
 
 class GraphSettingError(ValueError):
     """`--cuda-graph` cannot be honoured as given."""
 
 
-def graphs_wanted(mode: str, device: torch.device | str, kernels: str) -> bool:
-    """Whether decode runs piecewise CUDA graphs: 'auto' on CUDA with the Triton kernels; 'on' the same or an
-    error saying what is missing; 'off' never."""
+def graphs_wanted(mode: str, device: torch.device | str, kernels: str) -> str | None:
+    """The decode graphs to make: 'full' (the default: the whole step, `full_graph.FullGraphs`) on CUDA with the
+    Triton kernels, else none; 'piecewise' (these pieces) the same, or an error saying what is missing; 'off'
+    never (None)."""
     if mode not in GRAPH_MODES:
         raise GraphSettingError(f"--cuda-graph: must be one of {list(GRAPH_MODES)}, got {mode!r}")
     missing = [why for bad, why in ((torch.device(device).type != "cuda", "a CUDA device"),
                                     (kernels != "triton", "--kernels triton (the torch MoE reads routing counts on "
                                                           "the host)")) if bad]
-    if mode == "on" and missing:
-        raise GraphSettingError(f"--cuda-graph on: needs {' and '.join(missing)}")
-    return mode != "off" and not missing
+    if mode == "piecewise" and missing:
+        raise GraphSettingError(f"--cuda-graph piecewise: needs {' and '.join(missing)}")
+    return None if mode == "off" or missing else mode
 
 
 def capture_graphs(model: ML4, max_rows: int, fallback: bool) -> DecodeGraphs | None:
-    """Capture the decode graphs; with `fallback` ('auto' on one rank) a capture that fails logs why and decode
+    """Capture the piecewise decode graphs; with `fallback` (one rank) a capture that fails logs why and decode
     runs eagerly (None). Parallel ranks never fall back alone: the others would wait in a captured collective."""
     try:
         return DecodeGraphs(model, max_rows, capture=True)

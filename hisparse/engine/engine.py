@@ -234,6 +234,8 @@ class Engine:
         stats.residency, self._residency = self._residency, []
         stats.kv_resident_rows = self.kv.resident_rows()
         stats.num_running, stats.num_waiting = len(self.scheduler.running), len(self.scheduler.waiting)
+        if not self.scheduler.running:     # idle: counters a store keeps on the device are read now
+            self.kv.sync_stats()
         stats.kv_stats, stats.kv_usage = self.kv.stats.snapshot(), self.kv.usage_ratio()
         stats.kv_reserved_tokens = sum(self.kv.reserved.values())
         stats.num_preemptions = self.scheduler.num_preemptions

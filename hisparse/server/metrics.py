@@ -35,7 +35,7 @@ class Metrics:
         self.generation_tokens = Counter("hisparse_generation_tokens", "Tokens generated", registry=r)
         self.finished = Counter("hisparse_request_success", "Finished requests by reason", ["finished_reason"],
                                 registry=r)
-        self.graph_steps = Counter("hisparse_cuda_graph_steps", "Forwards that replayed the piecewise decode CUDA "
+        self.graph_steps = Counter("hisparse_cuda_graph_steps", "Forwards that ran through the decode CUDA "
                                    "graphs (--cuda-graph)", registry=r)
         self.preemptions = Counter("hisparse_num_preemptions", "Running requests preempted to free KV "
                                    "(they recompute later)", registry=r)

@@ -19,6 +19,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from ..engine.cuda_graphs import DecodeGraphs, capture_graphs
+from ..engine.full_graph import FullGraphs
 from ..engine.engine import Engine
 from ..engine.scheduler import SchedulerConfig
 from ..engine.speculative import SpeculativeConfig
@@ -97,7 +98,7 @@ def speculative_lines(spec: SpeculativeConfig, model: ML4) -> list[str]:
 
 
 def build_engine(cfg: ServeConfig, model: ML4, kv: LatentKV, tokenizer, max_model_len: int,
-                 group: RankGroup | None, graphs: DecodeGraphs | None) -> Engine:
+                 group: RankGroup | None, graphs: DecodeGraphs | FullGraphs | None) -> Engine:
     """The engine (with rank 0's Leader hooks when `group`, the parallel group, is given)."""
     inner = tokenizer.instruct_tokenizer.tokenizer
     per_seq = SpeculativeConfig.rows_per_request(cfg.speculative)   # every decode step fits, drafts included
@@ -160,6 +161,14 @@ def model_len(cfg: ServeConfig, model: ML4, kv: LatentKV) -> int:
     return max_model_len
 
 
+def make_graphs(cfg: ServeConfig, model: ML4, kv: LatentKV) -> DecodeGraphs | FullGraphs | None:
+    """Rank 0's decode graphs: full-step (recorded per step shape as steps first run), piecewise, or none."""
+    if cfg.graph_mode == "full":
+        return FullGraphs(model, kv, cfg.max_num_seqs, SpeculativeConfig.rows_per_request(cfg.speculative),
+                          capture=True)
+    return capture_graphs(model, cfg.graph_rows, cfg.graph_fallback) if cfg.graph_rows else None
+
+
 def _serve(cfg: ServeConfig, followers: FollowerRanks | None) -> Engine | None:
     """Load, build and run until the HTTP server stops; the engine (None on a torchrun follower rank)."""
     model, kv, group = load(cfg, followers)
@@ -169,7 +178,7 @@ def _serve(cfg: ServeConfig, followers: FollowerRanks | None) -> Engine | None:
         return None
     tokenizer = load_tokenizer(cfg.model_dir)
     max_model_len = model_len(cfg, model, kv)
-    graphs = capture_graphs(model, cfg.graph_rows, cfg.graph_fallback) if cfg.graph_rows else None
+    graphs = make_graphs(cfg, model, kv)
     engine = build_engine(cfg, model, kv, tokenizer, max_model_len, group, graphs)
     server_cfg = replace(cfg.server, max_model_len=max_model_len)
     app = build_app(engine, tokenizer, server_cfg)

@@ -34,6 +34,7 @@ class ServeConfig:
     parallel: ParallelConfig | None          # None: one rank
     speculative: SpeculativeConfig | None    # None: no speculative decoding
     cuda_graph: str                          # --cuda-graph
+    graph_mode: str | None                   # the graphs made: 'full', 'piecewise' (parallel ranks) or None
     graph_rows: int                          # rows of the decode graphs every rank captures (0: none)
     max_model_len: int | None                # None: the model's limit or the KV capacity, whichever is less
     max_num_seqs: int
@@ -56,22 +57,24 @@ class ServeConfig:
         speculative = speculative_config(args.speculative_config, model_dir)
         parallel = parallel_config(args, model_dir)
         try:     # every rank makes decode graphs for a step of every running request (drafts included), or none
-            wanted = graphs_wanted(args.cuda_graph, args.device, kv.kernels)
+            mode = graphs_wanted(args.cuda_graph, args.device, kv.kernels)
         except GraphSettingError as e:
             raise SystemExit(str(e)) from None
-        graph_rows = args.max_num_seqs * SpeculativeConfig.rows_per_request(speculative) if wanted else 0
+        if mode == "full" and parallel is not None:    # ranks capture the pieces around their collectives
+            mode = "piecewise"
+        graph_rows = args.max_num_seqs * SpeculativeConfig.rows_per_request(speculative) if mode else 0
         server = ServerConfig(args.served_model_name or model_dir.name, 0, args.api_key, args.debug_hooks,
                               args.max_request_bytes, args.read_timeout, args.max_batch_fanout, args.max_logit_bias,
                               args.max_logprobs, args.max_header_bytes, args.enable_docs)
-        return cls(model_dir, args.device, dtype, kv, parallel, speculative, args.cuda_graph, graph_rows,
+        return cls(model_dir, args.device, dtype, kv, parallel, speculative, args.cuda_graph, mode, graph_rows,
                    args.max_model_len, args.max_num_seqs, args.max_num_batched_tokens, args.fair_prefill_tokens,
                    server, args.host, args.port, args.log_level, args.shutdown_timeout)
 
     @property
     def graph_fallback(self) -> bool:
-        """Whether a failed capture may fall back to eager decode ('auto' on one rank: parallel ranks never fall
-        back alone, the others would wait in a captured collective)."""
-        return self.cuda_graph == "auto" and self.parallel is None
+        """Whether a failed capture may fall back to eager decode (one rank: parallel ranks never fall back alone,
+        the others would wait in a captured collective)."""
+        return self.parallel is None
 
 
 def speculative_config(spec: str | None, model_dir: Path) -> SpeculativeConfig | None:
