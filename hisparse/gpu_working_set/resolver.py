@@ -137,10 +137,10 @@ def resolve(hot: HotSlots, slot_of_seg: torch.Tensor, step_start: torch.Tensor, 
     return resolve_torch(hot, slot_of_seg, step_start, step_row0, win_lo, win_len, sinks, window, seg, sel, stamp)
 
 
-def resolve_torch(hot: HotSlots, slot_of_seg: torch.Tensor, step_start: torch.Tensor, step_row0: torch.Tensor,
-                  win_lo: torch.Tensor, win_len: torch.Tensor, sinks: int, window: int, seg: torch.Tensor,
-                  sel: torch.Tensor, stamp: int) -> Plan:
-    """`resolve` in vectorised torch ops on any device: the reference the fused kernel reproduces."""
+def entries(hot: HotSlots, slot_of_seg: torch.Tensor, step_start: torch.Tensor, win_lo: torch.Tensor,
+            win_len: torch.Tensor, sinks: int, seg: torch.Tensor, sel: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The plan's entries [E + 1] and their classes: (keys sorted, head (first of its key), segment, position,
+    request slot, in_step, in_window, hot slot found (or EMPTY), hit, miss); sizes fixed by sel's shape."""
     keys = torch.where(sel >= 0, seg[:, None] * KEY_SPAN + sel, NO_KEY).flatten()
     keys, _ = torch.sort(torch.cat((keys, keys.new_full((1,), NO_KEY))))
     valid = keys != NO_KEY
@@ -154,7 +154,15 @@ def resolve_torch(hot: HotSlots, slot_of_seg: torch.Tensor, step_start: torch.Te
     rest = head & ~in_step & ~in_win
     found = hot.lookup(r, e_pos)
     hit = rest & (found >= 0)
-    miss = rest & ~hit
+    return keys, head, e_seg, e_pos, r, in_step, in_win, found, hit, rest & ~hit
+
+
+def resolve_torch(hot: HotSlots, slot_of_seg: torch.Tensor, step_start: torch.Tensor, step_row0: torch.Tensor,
+                  win_lo: torch.Tensor, win_len: torch.Tensor, sinks: int, window: int, seg: torch.Tensor,
+                  sel: torch.Tensor, stamp: int) -> Plan:
+    """`resolve` in vectorised torch ops on any device: the reference the fused kernel reproduces."""
+    keys, head, e_seg, e_pos, r, in_step, in_win, found, hit, miss = entries(hot, slot_of_seg, step_start, win_lo,
+                                                                          win_len, sinks, seg, sel)
 
     n = hot.n_slots
     hit_at = torch.where(hit, found, hot.scratch)

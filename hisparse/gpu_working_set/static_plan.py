@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .resolver import EMPTY, EXTRA, HOT, KEY_SPAN, NO_KEY, NONE, STEP, WINDOW, HotSlots, _window_index
+from .resolver import EMPTY, EXTRA, HOT, KEY_SPAN, NO_KEY, NONE, STEP, WINDOW, HotSlots, _window_index, entries
 
 
 @dataclass
@@ -44,21 +44,8 @@ def resolve_static(hot: HotSlots, slot_of_seg: torch.Tensor, step_start: torch.T
     """`resolver.resolve` of sel [n, k] (rows of segments seg [n]) with static shapes: stamp is a 0-dim device
     tensor, real [S] is 1 for a segment counted in the statistics (0: padding), transient whether more positions
     than free slots can be selected in one segment (`StaticPlan.n_transient`)."""
-    keys = torch.where(sel >= 0, seg[:, None] * KEY_SPAN + sel, NO_KEY).flatten()
-    keys, _ = torch.sort(torch.cat((keys, keys.new_full((1,), NO_KEY))))
-    valid = keys != NO_KEY
-    head = valid.clone()
-    head[1:] &= keys[1:] != keys[:-1]                                    # first entry of each distinct key
-    e_seg = torch.where(valid, keys // KEY_SPAN, 0)
-    e_pos = torch.where(valid, keys % KEY_SPAN, 0)
-    r = slot_of_seg[e_seg]
-    in_step = valid & (e_pos >= step_start[e_seg])
-    in_win = valid & ~in_step & ((e_pos < sinks) | ((e_pos >= win_lo[r]) & (e_pos < win_len[r])))
-    rest = head & ~in_step & ~in_win
-    found = hot.lookup(r, e_pos)
-    hit = rest & (found >= 0)
-    miss = rest & ~hit
-
+    keys, head, e_seg, e_pos, r, in_step, in_win, found, hit, miss = entries(hot, slot_of_seg, step_start, win_lo,
+                                                                          win_len, sinks, seg, sel)
     n = hot.n_slots
     hit_at = torch.where(hit, found, hot.scratch)
     hot.stamp.index_put_((hit_at,), stamp.expand(hit_at.shape))
