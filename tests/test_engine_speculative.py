@@ -20,6 +20,7 @@ from conftest import tiny_model
 from hisparse.cli import main as cli_main
 from hisparse.engine.cuda_graphs import DecodeGraphs
 from hisparse.engine.engine import Engine, StepStats
+from hisparse.engine.full_graph import FullGraphs
 from hisparse.engine.generate import greedy_generate
 from hisparse.engine.request import Request, SamplingParams
 from hisparse.engine.scheduler import SchedulerConfig
@@ -67,9 +68,10 @@ class CheckedKV(HiSparseKV):
         self.max_pos: dict[str, int] = {}
         self.gathers: Counter = Counter()
 
-    def begin_step(self, segments):
-        super().begin_step(segments)
+    def begin_step(self, segments, *args, **kw):
+        views = super().begin_step(segments, *args, **kw)
         self.gathers.clear()
+        return views
 
     def write(self, layer, seg, positions, rows):
         for i, req in enumerate(self.tables.reqs):
@@ -121,14 +123,17 @@ def greedy_case(seed: int):
     return model, prompts, {r.id: r.output for r in reqs}
 
 
-def test_verify_steps_through_decode_graphs_keep_the_greedy_tokens(greedy_case) -> None:
-    """Piecewise decode graphs (uncaptured on the CPU) run the verify forwards (anchor + drafts, every row's
-    logits) and feed the checkpoint's drafter its tapped hidden states: the greedy outputs stay those without
-    speculation."""
+@pytest.mark.parametrize("mode", ["piecewise", "full"])
+def test_verify_steps_through_decode_graphs_keep_the_greedy_tokens(greedy_case, mode: str) -> None:
+    """Piecewise or full-step decode graphs (uncaptured on the CPU) run the verify forwards (anchor + drafts,
+    every row's logits) and feed the checkpoint's drafter its tapped hidden states: the greedy outputs stay those
+    without speculation."""
     model, prompts, ref = greedy_case
     spec = SpeculativeConfig.parse({"method": "dspark", "num_speculative_tokens": 3}, model.cfg)
-    graphs = DecodeGraphs(model, SCHED.max_num_seqs * 4, capture=False)
-    engine = Engine(model, checked_kv(model), SCHED, speculative=spec, graphs=graphs)
+    kv = checked_kv(model)
+    graphs = (DecodeGraphs(model, SCHED.max_num_seqs * 4, capture=False) if mode == "piecewise" else
+              FullGraphs(model, kv, SCHED.max_num_seqs, 4))
+    engine = Engine(model, kv, SCHED, speculative=spec, graphs=graphs)
     reqs, steps = run(engine, prompts, SamplingParams(max_tokens=NEW, temperature=0))
     assert {r.id: r.output for r in reqs} == ref
     assert engine.speculator.stats.steps > 0 and graphs.steps >= NEW // 4     # verify steps ran through graphs
