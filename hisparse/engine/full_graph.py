@@ -49,37 +49,56 @@ class LastOp(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class StepOutputs:
+    """Where every step shape's function leaves its logits and tapped hidden states: rows [:n] of buffers of
+    `rows` rows made up front (logits) or at their first (eager) use (taps), outside any graph, so a graph's own temporaries are freed when
+    its recording ends and the memory pool reuses them for the next shape."""
+
+    def __init__(self, rows: int):
+        self.rows, self.buffers = rows, {}
+
+    def put(self, name: str, t: torch.Tensor) -> None:
+        buf = self.buffers.get(name)
+        if buf is None:
+            buf = self.buffers[name] = t.new_empty((self.rows, *t.shape[1:]))
+        buf[:t.shape[0]].copy_(t)
+
+    def get(self, name: str, n: int) -> torch.Tensor:
+        """A copy of rows [:n] of buffer `name`."""
+        return self.buffers[name][:n].clone()
+
+
 class StepGraph:
     """One step shape (B segments of q rows over page tables of `span` positions): its static function and, once
     recorded, its CUDA graph."""
 
-    def __init__(self, model: ML4, kv: LatentKV, key: tuple[int, int, int], taps: tuple[int, ...]):
-        self.model, self.kv, self.key, self.taps = model, kv, key, taps
+    def __init__(self, model: ML4, kv: LatentKV, key: tuple[int, int, int], taps: tuple[int, ...],
+                 out: StepOutputs):
+        self.model, self.kv, self.key, self.taps, self.out = model, kv, key, taps, out
         segments, rows_per_seg, _ = key
         self.seg = torch.arange(segments, device=model.device).repeat_interleave(rows_per_seg)   # [B q], fixed
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.out: tuple[torch.Tensor, dict[int, torch.Tensor]] | None = None   # the graph's logits and taps
 
     @torch.no_grad()
-    def body(self, views: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """The whole step on the key's static inputs: logits [B q, V] and tapped hidden states."""
+    def body(self, views: dict[str, torch.Tensor]) -> None:
+        """The whole step on the key's static inputs; logits [B q, V] and tapped hidden states to `out`."""
         model, positions = self.model, views["positions"]
         cos, sin = model.rope(positions)
         b = AttentionBatch(positions, self.seg, self.kv, cos, sin, {})
-        h, taps = model.tok_embeddings(views["tokens"]), {}
+        h = model.tok_embeddings(views["tokens"])
         for layer in model.layers:
             h = layer(h, b)
             if layer.spec.index in self.taps:
-                taps[layer.spec.index] = h
+                self.out.put(f"tap{layer.spec.index}", h)
         self.kv.end_step_device()
-        return model.head(h), taps
+        self.out.put("logits", model.head(h))
 
     def record(self, views: dict[str, torch.Tensor], pool: object) -> None:
         """Record the body as a CUDA graph (nothing runs: the step's own result came from its eager run)."""
         graph, seen = torch.cuda.CUDAGraph(), LastOp()
         try:
             with torch.cuda.graph(graph, pool=pool), seen:
-                self.out = self.body(views)
+                self.body(views)
         except Exception as e:
             raise RuntimeError(f"full-step CUDA graph capture failed at {seen.name}: {type(e).__name__}: {e}") from e
         self.graph = graph
@@ -100,6 +119,9 @@ class FullGraphs:
         self.buckets = bucket_sizes(max_segments)
         self.max_rows_per_seg = max_rows_per_seg
         self.inputs = StepInputs(model.device, static=True)
+        self.out = StepOutputs(self.buckets[-1] * max_rows_per_seg)
+        self.out.buffers["logits"] = torch.empty(self.out.rows, model.cfg.vocab_size, dtype=model.logits_dtype,
+                                                 device=model.device)
         self.graphs: dict[tuple[int, int, int], StepGraph] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.held: tuple[int, ...] = ()     # the addresses of the store's buffers the graphs were recorded on
@@ -135,32 +157,31 @@ class FullGraphs:
         key = (B, q, span)
         graph = self.graphs.get(key)
         if graph is None:
-            graph = self.graphs[key] = StepGraph(self.model, kv, key, trace.tap_layers if trace else ())
+            graph = self.graphs[key] = StepGraph(self.model, kv, key, trace.tap_layers if trace else (), self.out)
         if graph.graph is not None and self.held == self.addresses():
             graph.graph.replay()
-            logits, taps = graph.out
         else:
-            logits, taps = self.run_eager(graph, views)
+            self.run_eager(graph, views)
         kv.end_step_host()
         self.steps += 1
         if trace is not None:
-            trace.taps.update({i: t[:S * q].clone() for i, t in taps.items()})
-        return logits[:S * q].clone()
+            trace.taps.update({i: self.out.get(f"tap{i}", S * q) for i in graph.taps})
+        return self.out.get("logits", S * q)
 
-    def run_eager(self, graph: StepGraph, views: dict[str, torch.Tensor]
-                  ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    def run_eager(self, graph: StepGraph, views: dict[str, torch.Tensor]) -> None:
         """Run a key's step eagerly, then (capturing) record it; graphs recorded on buffers the store has since
         reallocated are dropped first."""
         if not self.capture:
-            return graph.body(views)
+            graph.body(views)
+            return
         if self.held != self.addresses():
             for g in self.graphs.values():
-                g.graph = g.out = None
+                g.graph = None
             self.held = self.addresses()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):                  # the step itself, and the warm-up of its recording
-            out = graph.body(views)
+            graph.body(views)
         torch.cuda.current_stream().wait_stream(side)
         t0 = time.perf_counter()
         self.kv.forget_step()
@@ -172,7 +193,6 @@ class FullGraphs:
         else:
             log.info("recorded the full decode step of %d segments x %d rows over %d positions in %.2f s",
                      *graph.key, time.perf_counter() - t0)
-        return out
 
     def addresses(self) -> tuple[int, ...]:
         """Where the store's buffers are now (a graph replays on the addresses it was recorded on)."""

@@ -12,9 +12,11 @@ followers' copies overlap the owner's attention. A gather is then one index into
 (on either kernel path).
 
 Hybrid offload (`device_kv_gib`): the arena also holds resident pages, device copies of host-pool pages kept
-while there is room (`resident_pages.ResidentPages`). A selected position on a resident page is read from its
-page; only the others go through the resolver (window, hot buffer, miss), so a request that spilled nothing
-reads every row from the device, as ResidentKV does.
+while there is room (`hybrid.HybridPages`).
+
+A static step (full-step CUDA graphs: `begin_step` with static inputs) runs the same calls with shapes fixed by
+the step's shape and no host read: the resolver of `static_plan`, counters on the device, window bounds and LRU
+state updated in place.
 """
 
 from __future__ import annotations
@@ -31,10 +33,11 @@ from ..core.batch import PAD, segment_positions
 from ..core.step_inputs import StepInputs
 from .geometry import row_layout
 from .base import LatentKV, RowSource
+from .hybrid import HybridPages
 from ..gpu_working_set.arena import DeviceArena
 from ..gpu_working_set.copier import Copier
 from ..gpu_working_set.resident_pages import ResidentPages
-from ..gpu_working_set.resolver import EXTRA, KEY_SPAN, NO_KEY, HotSlots, Plan, resolve
+from ..gpu_working_set.resolver import EXTRA, HotSlots, Plan, resolve
 from ..gpu_working_set.static_plan import StaticPlan, resolve_static
 
 if TYPE_CHECKING:
@@ -45,7 +48,7 @@ DEFAULT_SINKS = 4
 STATS_EVERY = 16   # static steps: the device counters are read once per this many steps
 
 
-class HiSparseKV(LatentKV):
+class HiSparseKV(HybridPages, LatentKV):
     def __init__(self, cfg: ModelConfig, layout: str = "fp8_ds_mla", device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, host_pool_gib: float = 4.0,
                  hot_buffer_tokens: int | None = None, resident_window: int | None = None,
@@ -147,44 +150,6 @@ class HiSparseKV(LatentKV):
         self.step_slot, self.step_row0, self.step_pool_rows = views["slot"], views["row0"], views["pool_rows"]
         self.stamp, self.real = views["stamp"], views["real"]
 
-    def place_pages(self, segments: Sequence) -> None:
-        """Hybrid: offer every request's new pages a device page (spilling the coldest others' if the device is
-        full), bring spilled pages back while device pages are free (copied from the host pool), and send the
-        changes to the device."""
-        res, P, tables = self.resident, self.page_tokens, self.pages.tables
-        res.step = self.step
-        res.fit(self.pages.high_water)
-        keep = {h for s in segments for h in tables[s.req][s.start // P: -(-(s.start + s.length) // P)]}
-        wanted = res.resident + len({h for s in segments for h in tables[s.req] if h not in res.dev_of})
-        if wanted > res.allocated:
-            self.grow_pages(wanted)
-        for s in segments:
-            pages = tables[s.req]
-            res.place(pages[self.placed.get(s.req, 0):], keep)
-            self.placed[s.req] = len(pages)
-        back = [pair for s in segments if res.free for pair in res.readmit(tables[s.req])]
-        if back:
-            self.copy_back(back)
-        res.apply()
-        self.stats.spilled_pages = res.spilled_pages
-        # a static step runs the general path whatever is resident (its ops must not depend on the step)
-        self.all_resident = not self.static and all(h in res.dev_of for s in segments for h in tables[s.req])
-
-    def grow_pages(self, want: int) -> None:
-        """Allocate resident pages towards `want` (up to the budget) and grow the arena's page region to match."""
-        if self.resident.grow(want):
-            self.arena.fit(self.arena.slots, self.arena.step_cap, self.resident.allocated * self.page_tokens)
-
-    def copy_back(self, pages: list[tuple[int, int]]) -> None:
-        """Copy the rows of (host page, device page) pairs from the host pool into the page region, every KV
-        owner. Only after a spill or a prefix-cache hit, when pages free up: rare, so the wait for the host
-        backups is acceptable."""
-        P = self.page_tokens
-        within = torch.arange(P)
-        host = torch.cat([h * P + within for h, _ in pages])
-        dev = torch.cat([d * P + within for _, d in pages]).to(self.device)
-        self.load_rows(host, self.arena.page_base, dev)
-
     def load_rows(self, host_rows: torch.Tensor, base: dict[int, int], dest: torch.Tensor) -> None:
         """Copy host-pool rows host_rows [n] (a layer view's rows) of every KV owner to arena rows base[owner] +
         dest [n]."""
@@ -207,53 +172,6 @@ class HiSparseKV(LatentKV):
         self.win_len[slot] = n_tokens
         self.win_lo[slot] = max(0, n_tokens - self.window)
         self.placed[req] = self.pages.pages_of(req)
-
-    def split_resident(self, group: int, seg: torch.Tensor, sel: torch.Tensor
-                       ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """Hybrid: (the selection without its resident positions, which positions are resident, their row in
-        the page region) of an index group's selection; the resolver sees only the first, None when every page of
-        the step's requests is resident (nothing to resolve). Without resident pages: (sel, None, None)."""
-        if self.resident is None:
-            return sel, None, None
-        cached = self.resident_split.get(group)
-        if cached is not None and cached[0] is sel:
-            return cached[1:]
-        hit, prow = self.resident.locate(self.page_of(seg[:, None], sel), sel, self.page_tokens, self.stamp,
-                                         self.all_resident)
-        out = (None if self.all_resident else torch.where(hit, -1, sel), hit, prow)
-        if cached is None:     # the group's own selection: count its distinct resident positions once
-            self.resident_split[group] = (sel, *out)
-            hit = hit & (self.real[seg] > 0)[:, None]
-            # one query row per segment (decode): its selections are distinct; otherwise mark them
-            n = hit.sum() if sel.shape[0] == self.step_slot.numel() else self.distinct(seg, sel, hit)
-            self.kernel_counts[3] += len(self.members[group]) * n
-        return out
-
-    def on_pages(self, layer: int, hit: torch.Tensor, prow: torch.Tensor, other: torch.Tensor | int) -> torch.Tensor:
-        """Arena rows of a selection: its resident positions' rows in `layer`'s source page region, `other`
-        elsewhere."""
-        return torch.where(hit, self.arena.page_base[self.source(layer)] + prow, other)
-
-    def page_of(self, seg: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The device page (-1: host only) of positions of segments `seg` (broadcast together), one flat gather."""
-        if self.seg_pages is None:      # [S, max_pages] device page of each segment's pages, once per step
-            self.seg_pages = self.resident.slot_of[self.tables.pages]
-        width = self.seg_pages.shape[1]
-        return torch.take(self.seg_pages, seg * width + positions.clamp(min=0) // self.page_tokens)
-
-    def distinct(self, seg: torch.Tensor, sel: torch.Tensor, hit: torch.Tensor) -> torch.Tensor:
-        """How many distinct (segment, position) pairs the `hit` entries of sel [n, k] name (a device count): one
-        mark per position of the step's contexts, no sort; a static step sorts its keys (a size fixed by the
-        step's shape)."""
-        if self.static:
-            keys, _ = torch.sort(torch.where(hit, seg[:, None] * KEY_SPAN + sel, NO_KEY).flatten())
-            return (keys[:1] != NO_KEY).sum() + ((keys[1:] != keys[:-1]) & (keys[1:] != NO_KEY)).sum()
-        ends = self.tables.end
-        base = torch.cumsum(ends, 0) - ends
-        total = self.step_context
-        mark = torch.zeros(total + 1, dtype=torch.bool, device=self.device)
-        mark[torch.where(hit, base[seg][:, None] + sel, total)] = True
-        return mark[:total].sum()
 
     def end_step_device(self) -> None:
         """Back the step's new rows up to the host pool (torch path: every KV-owning layer's in one copy), move the
@@ -501,19 +419,6 @@ class HiSparseKV(LatentKV):
     def slot_metadata_bytes(self) -> int:
         """Device bytes of one request slot's LRU metadata (positions and stamps of its hot slots, every group)."""
         return sum(h.nbytes_per_slot() for h in self.hot.values())
-
-    def resident_rows(self) -> int:
-        """Latent rows (token positions x KV owners) held in resident pages now."""
-        return 0 if self.resident is None else self.resident.resident * self.page_tokens * len(self.arena.owners)
-
-    def residency(self, req: Hashable) -> float:
-        """Fraction of a request's pages that are resident (1.0 when nothing of it spilled)."""
-        pages = self.pages.pages_of(req)
-        return self.resident_pages_of(req) / pages if pages else 0.0
-
-    def resident_pages_of(self, req: Hashable) -> int:
-        """How many of a request's pages are resident."""
-        return 0 if self.resident is None else self.resident.count(self.pages.tables.get(req, ()))
 
     def working_set_bytes(self) -> int:
         """Device bytes one request's working set holds whatever its length: its arena slot and LRU metadata."""

@@ -88,6 +88,11 @@ class ML4(nn.Module):
         return self.tok_embeddings.weight.dtype
 
     @property
+    def logits_dtype(self) -> torch.dtype:
+        """The logits' dtype: fp32 (fp64 for an fp64 model, the exactness reference)."""
+        return torch.float64 if self.dtype == torch.float64 else torch.float32
+
+    @property
     def device(self) -> torch.device:
         return self.tok_embeddings.weight.device
 
@@ -106,7 +111,7 @@ class ML4(nn.Module):
         """Final norm, output head and soft cap: h [n, D] -> logits [n, V] (fp32, or fp64 in tests)."""
         x = self.norm(h)
         z = torch.nn.functional.linear(x, self.tok_embeddings.weight) if self.output is None else self.output(x)
-        z = z.float() if z.dtype != torch.float64 else z
+        z = z.to(self.logits_dtype)
         cap = self.cfg.logit_softcap
         return cap * torch.tanh(z / cap) if cap else z
 

@@ -1,0 +1,122 @@
+"""Hybrid offload: device memory as a cache of the host pool (`--kv-offload hybrid`, `--device-kv-gib`).
+
+The arena's page region holds resident pages: device copies of host-pool pages kept while there is room
+(`gpu_working_set.resident_pages.ResidentPages` keeps the map and the LRU stamps). Every step offers the requests'
+new pages a device page, spilling the coldest whole pages of others under pressure, and brings spilled pages back
+while device pages are free. A selected position on a resident page is read from its page; only the others go
+through the resolver (window, hot buffer, miss), so a request that spilled nothing reads every row from the
+device, as ResidentKV does.
+
+`HybridPages` is the part of `HiSparseKV` that does this (a mixin over the store's state: its arena, page tables,
+step tables and device counters).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import torch
+
+from ..gpu_working_set.resolver import KEY_SPAN, NO_KEY
+
+
+class HybridPages:
+    """Resident pages of a HiSparse store (see the module docstring); `resident` is None without a budget."""
+
+    def place_pages(self, segments: Sequence) -> None:
+        """Hybrid: offer every request's new pages a device page (spilling the coldest others' if the device is
+        full), bring spilled pages back while device pages are free (copied from the host pool), and send the
+        changes to the device."""
+        res, P, tables = self.resident, self.page_tokens, self.pages.tables
+        res.step = self.step
+        res.fit(self.pages.high_water)
+        keep = {h for s in segments for h in tables[s.req][s.start // P: -(-(s.start + s.length) // P)]}
+        wanted = res.resident + len({h for s in segments for h in tables[s.req] if h not in res.dev_of})
+        if wanted > res.allocated:
+            self.grow_pages(wanted)
+        for s in segments:
+            pages = tables[s.req]
+            res.place(pages[self.placed.get(s.req, 0):], keep)
+            self.placed[s.req] = len(pages)
+        back = [pair for s in segments if res.free for pair in res.readmit(tables[s.req])]
+        if back:
+            self.copy_back(back)
+        res.apply()
+        self.stats.spilled_pages = res.spilled_pages
+        # a static step runs the general path whatever is resident (its ops must not depend on the step)
+        self.all_resident = not self.static and all(h in res.dev_of for s in segments for h in tables[s.req])
+
+    def grow_pages(self, want: int) -> None:
+        """Allocate resident pages towards `want` (up to the budget) and grow the arena's page region to match."""
+        if self.resident.grow(want):
+            self.arena.fit(self.arena.slots, self.arena.step_cap, self.resident.allocated * self.page_tokens)
+
+    def copy_back(self, pages: list[tuple[int, int]]) -> None:
+        """Copy the rows of (host page, device page) pairs from the host pool into the page region, every KV
+        owner. Only after a spill or a prefix-cache hit, when pages free up: rare, so the wait for the host
+        backups is acceptable."""
+        P = self.page_tokens
+        within = torch.arange(P)
+        host = torch.cat([h * P + within for h, _ in pages])
+        dev = torch.cat([d * P + within for _, d in pages]).to(self.device)
+        self.load_rows(host, self.arena.page_base, dev)
+
+    def split_resident(self, group: int, seg: torch.Tensor, sel: torch.Tensor
+                       ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """Hybrid: (the selection without its resident positions, which positions are resident, their row in
+        the page region) of an index group's selection; the resolver sees only the first, None when every page of
+        the step's requests is resident (nothing to resolve). Without resident pages: (sel, None, None)."""
+        if self.resident is None:
+            return sel, None, None
+        cached = self.resident_split.get(group)
+        if cached is not None and cached[0] is sel:
+            return cached[1:]
+        hit, prow = self.resident.locate(self.page_of(seg[:, None], sel), sel, self.page_tokens, self.stamp,
+                                         self.all_resident)
+        out = (None if self.all_resident else torch.where(hit, -1, sel), hit, prow)
+        if cached is None:     # the group's own selection: count its distinct resident positions once
+            self.resident_split[group] = (sel, *out)
+            hit = hit & (self.real[seg] > 0)[:, None]
+            # one query row per segment (decode): its selections are distinct; otherwise mark them
+            n = hit.sum() if sel.shape[0] == self.step_slot.numel() else self.distinct(seg, sel, hit)
+            self.kernel_counts[3] += len(self.members[group]) * n
+        return out
+
+    def on_pages(self, layer: int, hit: torch.Tensor, prow: torch.Tensor, other: torch.Tensor | int) -> torch.Tensor:
+        """Arena rows of a selection: its resident positions' rows in `layer`'s source page region, `other`
+        elsewhere."""
+        return torch.where(hit, self.arena.page_base[self.source(layer)] + prow, other)
+
+    def page_of(self, seg: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The device page (-1: host only) of positions of segments `seg` (broadcast together), one flat gather."""
+        if self.seg_pages is None:      # [S, max_pages] device page of each segment's pages, once per step
+            self.seg_pages = self.resident.slot_of[self.tables.pages]
+        width = self.seg_pages.shape[1]
+        return torch.take(self.seg_pages, seg * width + positions.clamp(min=0) // self.page_tokens)
+
+    def distinct(self, seg: torch.Tensor, sel: torch.Tensor, hit: torch.Tensor) -> torch.Tensor:
+        """How many distinct (segment, position) pairs the `hit` entries of sel [n, k] name (a device count): one
+        mark per position of the step's contexts, no sort; a static step sorts its keys (a size fixed by the
+        step's shape)."""
+        if self.static:
+            keys, _ = torch.sort(torch.where(hit, seg[:, None] * KEY_SPAN + sel, NO_KEY).flatten())
+            return (keys[:1] != NO_KEY).sum() + ((keys[1:] != keys[:-1]) & (keys[1:] != NO_KEY)).sum()
+        ends = self.tables.end
+        base = torch.cumsum(ends, 0) - ends
+        total = self.step_context
+        mark = torch.zeros(total + 1, dtype=torch.bool, device=self.device)
+        mark[torch.where(hit, base[seg][:, None] + sel, total)] = True
+        return mark[:total].sum()
+
+    def resident_rows(self) -> int:
+        """Latent rows (token positions x KV owners) held in resident pages now."""
+        return 0 if self.resident is None else self.resident.resident * self.page_tokens * len(self.arena.owners)
+
+    def residency(self, req: Hashable) -> float:
+        """Fraction of a request's pages that are resident (1.0 when nothing of it spilled)."""
+        pages = self.pages.pages_of(req)
+        return self.resident_pages_of(req) / pages if pages else 0.0
+
+    def resident_pages_of(self, req: Hashable) -> int:
+        """How many of a request's pages are resident."""
+        return 0 if self.resident is None else self.resident.count(self.pages.tables.get(req, ()))
