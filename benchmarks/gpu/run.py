@@ -6,8 +6,9 @@
   P5  decode tokens/s at a fixed device budget at saturation, HiSparse / all-resident (benchmarks/throughput);
   P6  share of the torch path's side-stream miss copies (cudaMemcpy host -> device) that overlaps kernels on
       other streams (copies hidden behind compute);
-  P7  decode step time with piecewise CUDA graphs over eager (`--cuda-graph on` / `off`), HiSparse with the
-      Triton kernels, at batch 1 and 16.
+  P7  decode step time with full-step and piecewise CUDA graphs over eager (`--cuda-graph full` / `piecewise` /
+      `off`), HiSparse with the Triton kernels, at batch 1 and 16 (absolute step times in the detail);
+  P8  share of the wall time of 16-request full-step decode steps in which the GPU runs a kernel.
 
 P3 and P5 come from `benchmarks/throughput/run.py` on the device; P2 and P6 from a torch.profiler trace of
 HiSparse decode steps (kernels and copies with their streams, from the trace's JSON). Without CUDA, `--quick`
@@ -127,12 +128,38 @@ def graph_steps(device: str, quick: bool) -> dict:
             if cuda:
                 torch.cuda.synchronize()
             out[f"{name}_ms_batch{batch}"] = (time.perf_counter() - t0) / steps * 1e3
+            if cuda and name == "full" and batch == 16:
+                out["busy"] = busy_share(eng, steps)
             kv = None
     return {"P7_graph_over_eager_batch1": out["graphs_ms_batch1"] / out["eager_ms_batch1"],
             "P7_graph_over_eager_batch16": out["graphs_ms_batch16"] / out["eager_ms_batch16"],
             "P7_full_over_eager_batch1": out["full_ms_batch1"] / out["eager_ms_batch1"],
             "P7_full_over_eager_batch16": out["full_ms_batch16"] / out["eager_ms_batch16"],
+            "P8_gpu_busy_share_batch16": out["busy"]["share"] if cuda else None,
             "P7_detail": {**out, "captured": cuda, "preset": preset, "prompt_len": prompt_len}}
+
+
+def busy_share(eng: Engine, steps: int) -> dict:
+    """P8: of the wall time of `steps` whole decode steps (sampling and the token read-back included), the share
+    in which a kernel runs (the union of the kernels' intervals in a torch.profiler trace)."""
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with tempfile.TemporaryDirectory() as tmp:
+        with torch.profiler.profile(activities=acts) as prof:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                eng.step()
+            torch.cuda.synchronize()
+            wall_us = (time.perf_counter() - t0) * 1e6
+        trace = Path(tmp) / "busy.json"
+        prof.export_chrome_trace(str(trace))
+        kernels = sorted((e["ts"], e["ts"] + e["dur"]) for e in trace_events(trace) if e.get("cat") == "kernel")
+    busy, end = 0.0, float("-inf")
+    for a, b in kernels:                                    # union of the kernel intervals
+        a = max(a, end)
+        if b > a:
+            busy, end = busy + b - a, b
+    return {"share": busy / wall_us, "kernel_us": busy, "wall_us": wall_us, "kernels": len(kernels)}
 
 
 def trace_events(trace: Path) -> list[dict]:
@@ -186,7 +213,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    result = {"benchmark": "GPU figures P2 P3 P5 P6 P7", "device": args.device,
+    result = {"benchmark": "GPU figures P2 P3 P5 P6 P7 P8", "device": args.device,
               "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
               "machine": platform.processor() or platform.machine(), "quick": args.quick}
     if args.check:
