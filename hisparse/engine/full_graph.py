@@ -97,7 +97,8 @@ class StepGraph:
         """Record the body as a CUDA graph (nothing runs: the step's own result came from its eager run)."""
         graph, seen = torch.cuda.CUDAGraph(), LastOp()
         try:
-            with torch.cuda.graph(graph, pool=pool), seen:
+            # thread_local: the server's other threads may use CUDA while a step shape is recorded mid-serving
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"), seen:
                 self.body(views)
         except Exception as e:
             raise RuntimeError(f"full-step CUDA graph capture failed at {seen.name}: {type(e).__name__}: {e}") from e
