@@ -138,3 +138,23 @@ def test_release_returns_every_device_page(model):
     check_invariants(kv)
     assert kv.resident.resident == 0 and len(kv.resident.free) == kv.resident.allocated == 6
     assert kv.pool.pages_used == 0
+
+
+def test_few_resident_pages_read_through_the_working_set(model):
+    """One resident page for up to ~15 pages of live context: a step with fewer than MIN_RESIDENT_SHARE of its
+    pages resident reads every selected row through the working set (no resident hit counted that step), the
+    others split as usual; logits stay bit-identical and the counters add up to the always-offloading store's."""
+    kv, always = hybrid(model.cfg, "fp8_ds_mla", 1), hybrid(model.cfg, "fp8_ds_mla", None)
+    skipped, split, before = [], [], [0]
+
+    def checks(step: int) -> None:
+        check_invariants(kv)
+        kv.sync_stats()
+        (skipped if kv.skip_split else split).append(kv.stats.resident_hits - before[0])
+        before[0] = kv.stats.resident_hits
+
+    ref, on, off = run(model, [ResidentKV(model.cfg, "fp8_ds_mla"), kv, always], checks)
+    assert all(torch.equal(a, b) for a, b in zip(ref, on)) and all(torch.equal(a, b) for a, b in zip(ref, off))
+    assert skipped and split and not any(skipped) and any(split)
+    s, t = kv.stats, always.stats
+    assert s.resident_hits + s.hits + s.misses == t.hits + t.misses

@@ -122,17 +122,17 @@ class ResidentPages:
         """How many of these host pages (one request's) are resident."""
         return sum(h in self.dev_of for h in host_pages)
 
-    def locate(self, d: torch.Tensor, sel: torch.Tensor, page_tokens: int, stamp: torch.Tensor, every: bool = False
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """For a selection sel [n, k] (-1 padded) whose positions lie on device pages d [n, k] (-1: host only):
-        which are resident, and their row in the page region (device page * P + position % P); stamps the pages
-        used with the current step (`stamp`, a 0-dim device tensor). `every`: every page of the selection's
-        requests is resident (fewer ops; a padded entry then stamps its request's first page, which only keeps
-        that page resident longer)."""
+    def locate(self, d: torch.Tensor, sel: torch.Tensor, pos: torch.Tensor, page_tokens: int, stamp: torch.Tensor,
+               every: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """For a selection sel [n, k] (-1 padded; pos: sel clamped at 0) whose positions lie on device pages d
+        [n, k] (-1: host only): which are resident, and their row in the page region (device page * P + position
+        % P); stamps the pages used with the current step (`stamp`, a 0-dim device tensor). `every`: every page of
+        the selection's requests is resident (fewer ops; a padded entry then stamps its request's first page,
+        which only keeps that page resident longer)."""
         if every:
             hit = sel >= 0
             self.stamp.index_fill_(0, d.flatten(), stamp)
-        else:
-            hit = (sel >= 0) & (d >= 0)
-            self.stamp.index_fill_(0, torch.where(hit, d, self.n_pages).flatten(), stamp)
-        return hit, d.clamp(min=0) * page_tokens + sel.clamp(min=0) % page_tokens
+            return hit, d * page_tokens + pos % page_tokens
+        hit = (sel >= 0) & (d >= 0)
+        self.stamp.index_fill_(0, torch.where(hit, d, self.n_pages).flatten(), stamp)
+        return hit, d.clamp(min=0) * page_tokens + pos % page_tokens

@@ -72,7 +72,11 @@ class HiSparseKV(HybridPages, LatentKV):
         self.placed: dict[Hashable, int] = {}   # request -> how many of its pages were offered a device page
         self.resident_split: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.seg_pages: torch.Tensor | None = None   # per step: [S, max_pages] device page (-1: host only)
+        self.seg_base: tuple[torch.Tensor, torch.Tensor] | None = None   # per step: (rows' segments, their offset)
+        self.resident_counts: list[tuple[int, torch.Tensor]] = []   # per step: (member layers, resident hits)
+        self.count_weights: dict[tuple[int, ...], torch.Tensor] = {}
         self.all_resident = False   # per step: every page of every request of the step is resident
+        self.skip_split = False     # per step: too few of its pages resident to split selections (hybrid.py)
         self.arena = DeviceArena({l.index: l.kv_source for l in cfg.layers}, n_slots, window, sink_tokens,
                                  self.layout.row_bytes, self.device)
         self.hot = {g: HotSlots(n_slots, self.device) for g in cfg.index_owner_layers}
@@ -85,6 +89,8 @@ class HiSparseKV(HybridPages, LatentKV):
         self.step_rows: tuple[torch.Tensor, torch.Tensor] | None = None   # (seg, positions) of this step's writes
         self.step_host_rows: torch.Tensor | None = None   # their rows in a host-pool layer view (host tensor)
         self.step_page_rows: torch.Tensor | None = None   # their rows within a page region (-1: host only)
+        self.step_page_dest: torch.Tensor | None = None   # [O, n] their arena rows there, every KV owner
+        self.owner_index = {o: i for i, o in enumerate(self.arena.owners)}
         # where each KV owner's layer view starts in pool.rows, in the arena's owner order [O, 1] (host)
         self.owner_pool_base = torch.tensor([[pool.layer_offset(o)] for o in self.arena.owners], dtype=torch.long)
         self.plans: dict[int, Plan] = {}
@@ -135,7 +141,9 @@ class HiSparseKV(HybridPages, LatentKV):
         self.forget_step()
 
     def forget_step(self) -> None:
-        self.step_rows = self.step_page_rows = self.located = self.seg_pages = None
+        self.step_rows = self.step_page_rows = self.step_page_dest = self.located = self.seg_pages = None
+        self.seg_base = None
+        self.resident_counts.clear()
         self.plans.clear()
         self.fetched.clear()
         self.kernel_plans.clear()
@@ -177,6 +185,7 @@ class HiSparseKV(HybridPages, LatentKV):
         """Back the step's new rows up to the host pool (torch path: every KV-owning layer's in one copy), move the
         newest into the resident windows (one gather and one scatter for every KV-owning layer at once) and
         advance every written request's window bounds (in place: a captured step replays on the same tensors)."""
+        self.count_resident()
         if self.step_rows is None:
             return
         seg, pos = self.step_rows
@@ -223,18 +232,20 @@ class HiSparseKV(HybridPages, LatentKV):
         moved into the windows and backed up to the host pool at end_step; the Triton path backs them up now) and
         into their resident pages (hybrid; a step whose every page is resident writes only those)."""
         data = self.encode(rows).to(self.device)
+        a = self.arena
         if self.step_rows is None:    # the same rows every KV-owning layer
             self.step_rows = (seg, positions)
             if self.resident is not None:     # their rows within a page region (-1: host only), once per step
                 d = self.page_of(seg, positions)
                 self.step_page_rows = torch.where(d >= 0, d * self.page_tokens + positions % self.page_tokens, -1)
-        a = self.arena
+                # [O, n] every KV owner's arena rows of them (host-only positions: the scratch row)
+                self.step_page_dest = (a.owner_page_base + self.step_page_rows if self.all_resident else
+                                       torch.where(self.step_page_rows >= 0, a.owner_page_base + self.step_page_rows,
+                                                   a.scratch_row))
         if not self.all_resident:        # (a step whose every page is resident reads and keeps them there only)
             a.data[a.step_base[layer]: a.step_base[layer] + data.shape[0]] = data
         if self.resident is not None:    # and into the positions' resident pages
-            r = a.page_base[layer] + self.step_page_rows
-            a.data.index_copy_(0, r if self.all_resident else torch.where(r >= a.page_base[layer], r, a.scratch_row),
-                               data)
+            a.data.index_copy_(0, self.step_page_dest[self.owner_index[layer]], data)
         if self.kernels == "triton":      # straight into the pool, ordered before the next step's miss path
             from ..gpu_working_set.kernels.backup_triton import backup
             backup(data, self.pool.rows, self.step_pool_rows + self.pool.layer_offset(layer))

@@ -5,7 +5,8 @@ The arena's page region holds resident pages: device copies of host-pool pages k
 new pages a device page, spilling the coldest whole pages of others under pressure, and brings spilled pages back
 while device pages are free. A selected position on a resident page is read from its page; only the others go
 through the resolver (window, hot buffer, miss), so a request that spilled nothing reads every row from the
-device, as ResidentKV does.
+device, as ResidentKV does. A step with fewer than MIN_RESIDENT_SHARE of its pages resident reads every row
+through the working set instead (the split costs more than those reads save).
 
 `HybridPages` is the part of `HiSparseKV` that does this (a mixin over the store's state: its arena, page tables,
 step tables and device counters).
@@ -18,6 +19,8 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from ..gpu_working_set.resolver import KEY_SPAN, NO_KEY
+
+MIN_RESIDENT_SHARE = 1 / 8   # below this share of a step's pages resident, its selections are not split
 
 
 class HybridPages:
@@ -43,8 +46,13 @@ class HybridPages:
             self.copy_back(back)
         res.apply()
         self.stats.spilled_pages = res.spilled_pages
+        held = [h for s in segments for h in tables[s.req]]
+        n_resident = sum(h in res.dev_of for h in held)
         # a static step runs the general path whatever is resident (its ops must not depend on the step)
-        self.all_resident = not self.static and all(h in res.dev_of for s in segments for h in tables[s.req])
+        self.all_resident = not self.static and n_resident == len(held)
+        # with few resident pages, splitting every selection costs more than their reads save: the step reads
+        # every selected row through the working set (exact: the host pool backs every row up)
+        self.skip_split = not self.static and n_resident < MIN_RESIDENT_SHARE * len(held)
 
     def grow_pages(self, want: int) -> None:
         """Allocate resident pages towards `want` (up to the budget) and grow the arena's page region to match."""
@@ -65,22 +73,35 @@ class HybridPages:
                        ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """Hybrid: (the selection without its resident positions, which positions are resident, their row in
         the page region) of an index group's selection; the resolver sees only the first, None when every page of
-        the step's requests is resident (nothing to resolve). Without resident pages: (sel, None, None)."""
-        if self.resident is None:
+        the step's requests is resident (nothing to resolve). Without resident pages, or with fewer than
+        MIN_RESIDENT_SHARE of the step's pages resident (not in a static step): (sel, None, None)."""
+        if self.resident is None or self.skip_split:
             return sel, None, None
         cached = self.resident_split.get(group)
         if cached is not None and cached[0] is sel:
             return cached[1:]
-        hit, prow = self.resident.locate(self.page_of(seg[:, None], sel), sel, self.page_tokens, self.stamp,
+        pos = sel.clamp(min=0)
+        hit, prow = self.resident.locate(self.page_of(seg, pos), sel, pos, self.page_tokens, self.stamp,
                                          self.all_resident)
         out = (None if self.all_resident else torch.where(hit, -1, sel), hit, prow)
         if cached is None:     # the group's own selection: count its distinct resident positions once
             self.resident_split[group] = (sel, *out)
-            hit = hit & (self.real[seg] > 0)[:, None]
+            if self.static:    # (only a static step has padding segments)
+                hit = hit & (self.real[seg] > 0)[:, None]
             # one query row per segment (decode): its selections are distinct; otherwise mark them
             n = hit.sum() if sel.shape[0] == self.step_slot.numel() else self.distinct(seg, sel, hit)
-            self.kernel_counts[3] += len(self.members[group]) * n
+            self.resident_counts.append((len(self.members[group]), n))
         return out
+
+    def count_resident(self) -> None:
+        """Add the step's resident hits (every index group's, times its member layers) to the device counter."""
+        if self.resident_counts:
+            weights = tuple(m for m, _ in self.resident_counts)
+            w = self.count_weights.get(weights)
+            if w is None:
+                w = self.count_weights[weights] = torch.tensor(weights, device=self.device)
+            self.kernel_counts[3] += (torch.stack([n for _, n in self.resident_counts]) * w).sum()
+            self.resident_counts.clear()
 
     def on_pages(self, layer: int, hit: torch.Tensor, prow: torch.Tensor, other: torch.Tensor | int) -> torch.Tensor:
         """Arena rows of a selection: its resident positions' rows in `layer`'s source page region, `other`
@@ -88,11 +109,14 @@ class HybridPages:
         return torch.where(hit, self.arena.page_base[self.source(layer)] + prow, other)
 
     def page_of(self, seg: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The device page (-1: host only) of positions of segments `seg` (broadcast together), one flat gather."""
+        """The device page (-1: host only) of positions [n, ...] >= 0 of the rows' segments seg [n], one flat
+        gather."""
         if self.seg_pages is None:      # [S, max_pages] device page of each segment's pages, once per step
             self.seg_pages = self.resident.slot_of[self.tables.pages]
-        width = self.seg_pages.shape[1]
-        return torch.take(self.seg_pages, seg * width + positions.clamp(min=0) // self.page_tokens)
+        if self.seg_base is None or self.seg_base[0] is not seg:     # the layers of a step share their rows
+            self.seg_base = (seg, seg * self.seg_pages.shape[1])
+        base = self.seg_base[1].view(-1, *[1] * (positions.dim() - 1))
+        return torch.take(self.seg_pages, base + positions // self.page_tokens)
 
     def distinct(self, seg: torch.Tensor, sel: torch.Tensor, hit: torch.Tensor) -> torch.Tensor:
         """How many distinct (segment, position) pairs the `hit` entries of sel [n, k] name (a device count): one
