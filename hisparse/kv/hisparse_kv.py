@@ -74,7 +74,8 @@ class HiSparseKV(HybridPages, LatentKV):
         self.seg_pages: torch.Tensor | None = None   # per step: [S, max_pages] device page (-1: host only)
         self.seg_base: tuple[torch.Tensor, torch.Tensor] | None = None   # per step: (rows' segments, their offset)
         self.resident_counts: list[tuple[int, torch.Tensor]] = []   # per step: (member layers, resident hits)
-        self.count_weights: dict[tuple[int, ...], torch.Tensor] = {}
+        every = tuple(len(self.members[g]) for g in cfg.index_owner_layers)   # (made before any step records)
+        self.count_weights = {every: torch.tensor(every, device=self.device)}
         self.all_resident = False   # per step: every page of every request of the step is resident
         self.skip_split = False     # per step: too few of its pages resident to split selections (hybrid.py)
         self.arena = DeviceArena({l.index: l.kv_source for l in cfg.layers}, n_slots, window, sink_tokens,
@@ -133,7 +134,8 @@ class HiSparseKV(HybridPages, LatentKV):
         inputs.stage("row0", torch.cumsum(lengths, 0) - lengths)
         inputs.stage("pool_rows", self.step_host_rows)
         inputs.stage("stamp", torch.tensor(self.step))
-        inputs.stage("real", torch.tensor([s.req is not PAD for s in segments]))
+        if self.static:      # (only a static step has padding segments)
+            inputs.stage("real", torch.tensor([s.req is not PAD for s in segments]))
         rows = sum(s.length for s in segments if s.req is not PAD)
         self.stats.device_to_host_bytes += rows * self.layout.row_bytes * len(self.arena.owners)
         if self.resident is not None:     # (padding never takes a device page from a request)
@@ -156,7 +158,7 @@ class HiSparseKV(HybridPages, LatentKV):
 
     def bind(self, views: dict[str, torch.Tensor]) -> None:
         self.step_slot, self.step_row0, self.step_pool_rows = views["slot"], views["row0"], views["pool_rows"]
-        self.stamp, self.real = views["stamp"], views["real"]
+        self.stamp, self.real = views["stamp"], views.get("real")
 
     def load_rows(self, host_rows: torch.Tensor, base: dict[int, int], dest: torch.Tensor) -> None:
         """Copy host-pool rows host_rows [n] (a layer view's rows) of every KV owner to arena rows base[owner] +
@@ -183,8 +185,9 @@ class HiSparseKV(HybridPages, LatentKV):
 
     def end_step_device(self) -> None:
         """Back the step's new rows up to the host pool (torch path: every KV-owning layer's in one copy), move the
-        newest into the resident windows (one gather and one scatter for every KV-owning layer at once) and
-        advance every written request's window bounds (in place: a captured step replays on the same tensors)."""
+        newest into the resident windows (one gather and one scatter for every KV-owning layer at once), into
+        their resident pages when the step did not split its selections (hybrid.py), and advance every written
+        request's window bounds (in place: a captured step replays on the same tensors)."""
         self.count_resident()
         if self.step_rows is None:
             return
@@ -204,6 +207,8 @@ class HiSparseKV(HybridPages, LatentKV):
         keep = (pos < self.sinks) | (pos >= end - self.window) if self.window else pos < self.sinks
         dest = torch.where(keep, a.owner_win_base + a.window_index(slot, pos), a.scratch_row)    # [O, n]
         a.data.index_copy_(0, dest.flatten(), src.flatten(0, 1))
+        if self.resident is not None and self.skip_split:    # the resident pages' rows, every KV owner at once
+            a.data.index_copy_(0, self.step_page_dest.flatten(), src.flatten(0, 1))
         written = torch.zeros_like(self.win_len).scatter_reduce_(0, slot, end, "amax")
         torch.maximum(self.win_len, written, out=self.win_len)
         torch.maximum(self.win_lo, self.win_len - self.window, out=self.win_lo)
@@ -244,8 +249,8 @@ class HiSparseKV(HybridPages, LatentKV):
                                                    a.scratch_row))
         if not self.all_resident:        # (a step whose every page is resident reads and keeps them there only)
             a.data[a.step_base[layer]: a.step_base[layer] + data.shape[0]] = data
-        if self.resident is not None:    # and into the positions' resident pages
-            a.data.index_copy_(0, self.step_page_dest[self.owner_index[layer]], data)
+        if self.resident is not None and not self.skip_split:    # and into the positions' resident pages (a
+            a.data.index_copy_(0, self.step_page_dest[self.owner_index[layer]], data)   # step reading none: at end)
         if self.kernels == "triton":      # straight into the pool, ordered before the next step's miss path
             from ..gpu_working_set.kernels.backup_triton import backup
             backup(data, self.pool.rows, self.step_pool_rows + self.pool.layer_offset(layer))
@@ -303,7 +308,7 @@ class HiSparseKV(HybridPages, LatentKV):
         rest, hit, prow = self.split_resident(group, seg, sel)
         a = self.arena
         if rest is None:     # every row of the step is resident: no miss path
-            return a.data, self.on_pages(layer, hit, prow, -1), None
+            return a.data, self.on_pages(layer, sel >= 0, prow, -1), None
         if group not in self.kernel_plans:
             self.run_miss_path(group, seg, rest, sel)
         launched, out = self.kernel_plans[group]
@@ -325,7 +330,8 @@ class HiSparseKV(HybridPages, LatentKV):
                         self.page_tokens, self.pool.rows, self.pool_offsets[group], a.data,
                         torch.stack([a.kind_base[m] for m in members]), max_rows_per_seg=self.max_rows)
         self.kernel_plans[group] = (launched, out)
-        unique, misses = (out.counts * self.real[:, None]).sum(0)     # padding segments not counted
+        counts = out.counts if self.real is None else out.counts * self.real[:, None]   # padding not counted
+        unique, misses = counts.sum(0)
         n = len(members)
         self.kernel_counts[:3] += torch.stack((n * (unique - misses), n * misses, (n - 1) * misses))
 

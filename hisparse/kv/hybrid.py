@@ -53,6 +53,8 @@ class HybridPages:
         # with few resident pages, splitting every selection costs more than their reads save: the step reads
         # every selected row through the working set (exact: the host pool backs every row up)
         self.skip_split = not self.static and n_resident < MIN_RESIDENT_SHARE * len(held)
+        # a decode step with every page resident reads every position its rows select: min(k, end) per row
+        self.step_visible = sum(min(self.cfg.index_topk, s.start + s.length) for s in segments)
 
     def grow_pages(self, want: int) -> None:
         """Allocate resident pages towards `want` (up to the budget) and grow the arena's page region to match."""
@@ -86,10 +88,14 @@ class HybridPages:
         out = (None if self.all_resident else torch.where(hit, -1, sel), hit, prow)
         if cached is None:     # the group's own selection: count its distinct resident positions once
             self.resident_split[group] = (sel, *out)
+            decode = sel.shape[0] == self.step_slot.numel()   # one query row per segment: distinct selections
+            if self.all_resident and decode:                  # every selected position (known on the host)
+                self.stats.resident_hits += len(self.members[group]) * self.step_visible
+                return out
+            hit = sel >= 0 if hit is None else hit
             if self.static:    # (only a static step has padding segments)
                 hit = hit & (self.real[seg] > 0)[:, None]
-            # one query row per segment (decode): its selections are distinct; otherwise mark them
-            n = hit.sum() if sel.shape[0] == self.step_slot.numel() else self.distinct(seg, sel, hit)
+            n = hit.sum() if decode else self.distinct(seg, sel, hit)
             self.resident_counts.append((len(self.members[group]), n))
         return out
 
@@ -114,9 +120,9 @@ class HybridPages:
         if self.seg_pages is None:      # [S, max_pages] device page of each segment's pages, once per step
             self.seg_pages = self.resident.slot_of[self.tables.pages]
         if self.seg_base is None or self.seg_base[0] is not seg:     # the layers of a step share their rows
-            self.seg_base = (seg, seg * self.seg_pages.shape[1])
-        base = self.seg_base[1].view(-1, *[1] * (positions.dim() - 1))
-        return torch.take(self.seg_pages, base + positions // self.page_tokens)
+            base = seg * self.seg_pages.shape[1]
+            self.seg_base = (seg, base, base[:, None])
+        return torch.take(self.seg_pages, self.seg_base[positions.dim()] + positions // self.page_tokens)
 
     def distinct(self, seg: torch.Tensor, sel: torch.Tensor, hit: torch.Tensor) -> torch.Tensor:
         """How many distinct (segment, position) pairs the `hit` entries of sel [n, k] name (a device count): one
