@@ -29,7 +29,7 @@ import torch
 from ..host_pool.pages import paged_rows
 from ..host_pool.pool import HostPool
 from ..core.config import ModelConfig
-from ..core.batch import PAD, segment_positions
+from ..core.batch import PAD
 from ..core.step_inputs import StepInputs
 from .geometry import row_layout
 from .base import LatentKV, RowSource
@@ -118,20 +118,23 @@ class HiSparseKV(HybridPages, LatentKV):
         """Request slots, the step region's and host pool's rows of the step's writes, the LRU stamp and (hybrid)
         page placement; a static step (full-step graphs: `inputs.static`) runs the seam without host branches."""
         self.static = inputs.static
-        for seg in segments:
-            self.slot_for(seg.req)
-        self.fit_slots(max(self.slot_of.values(), default=-1) + 1, sum(s.length for s in segments))
         # write() receives the step's rows in this flat order (segment by segment, positions ascending), so their
-        # step-region rows and host-pool rows are known here, on the host, without reading the device
-        positions, seg = segment_positions(list(segments))
-        lengths = torch.tensor([s.length for s in segments], dtype=torch.long)
-        self.step_host_rows = paged_rows(self.tables.host_pages, seg, positions, self.page_tokens)
+        # step-region rows and host-pool rows are known here, on the host (plain lists: a step's few rows)
+        P, tables = self.page_tokens, self.pages.tables
+        slots, row0, rows = [], [], []
+        for seg in segments:
+            slots.append(self.slot_for(seg.req))
+            row0.append(len(rows))
+            pages = tables.get(seg.req, ())     # (a DCP rank may hold none of a short request)
+            rows += [pages[p // P] * P + p % P for p in range(seg.start, seg.start + seg.length)]
+        self.fit_slots(max(self.slot_of.values(), default=-1) + 1, len(rows))
+        self.step_host_rows = torch.tensor(rows, dtype=torch.long)
         self.max_rows = max(query_rows if query_rows is not None else (s.length for s in segments), default=0)
         self.step_context = sum(s.start + s.length for s in segments)
         self.step += 1
         self.stats.steps += 1
-        inputs.stage("slot", torch.tensor([self.slot_of[s.req] for s in segments], dtype=torch.long))
-        inputs.stage("row0", torch.cumsum(lengths, 0) - lengths)
+        inputs.stage("slot", torch.tensor(slots, dtype=torch.long))
+        inputs.stage("row0", torch.tensor(row0, dtype=torch.long))
         inputs.stage("pool_rows", self.step_host_rows)
         inputs.stage("stamp", torch.tensor(self.step))
         if self.static:      # (only a static step has padding segments)
