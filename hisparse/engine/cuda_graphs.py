@@ -77,23 +77,16 @@ def bucket_sizes(max_rows: int) -> list[int]:
 PROJECTIONS = ("latents", "keys") + tuple(f.name for f in fields(Queries))   # what a layer's projections give
 
 
-class StaticRows:
-    """Row buffers shared by every bucket's pieces (a bucket of B rows uses rows [:B]; one bucket runs at a time):
-    the step's tokens and positions, the rope tables, the residual stream, the current layer's projections, the
-    seam's latent output and the logits. A piece copies what it computes into them, so its own temporaries die
-    with it (a graph pool reuses their memory for the next piece); only these rows stay allocated."""
+class RowBuffers:
+    """Buffers of `rows` rows by name, made at their first (eager) use, outside any graph: a graph copies what it
+    computes into rows [:B], so its own temporaries die with it (a graph pool reuses their memory)."""
 
-    def __init__(self, model: ML4, rows: int):
-        dev = model.device
+    def __init__(self, rows: int):
         self.rows = rows
-        self.tokens = torch.zeros(rows, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(rows, dtype=torch.long, device=dev)
-        self.olat = torch.zeros(rows, model.layers[0].attention.n_heads, model.cfg.kv_lora_rank, dtype=model.dtype,
-                                device=dev)
         self.buffers: dict[str, torch.Tensor] = {}
 
     def put(self, name: str, t: torch.Tensor) -> None:
-        """Copy t [B, ...] into rows [:B] of buffer `name` (allocated at its first, eager, use)."""
+        """Copy t [B, ...] into rows [:B] of buffer `name`."""
         buf = self.buffers.get(name)
         if buf is None:
             buf = self.buffers[name] = t.new_empty((self.rows, *t.shape[1:]))
@@ -102,6 +95,20 @@ class StaticRows:
     def get(self, name: str, n: int) -> torch.Tensor:
         """Rows [:n] of buffer `name`."""
         return self.buffers[name][:n]
+
+
+class StaticRows(RowBuffers):
+    """Row buffers shared by every bucket's pieces (a bucket of B rows uses rows [:B]; one bucket runs at a time):
+    the step's tokens and positions, the rope tables, the residual stream, the current layer's projections, the
+    seam's latent output and the logits. Only these rows stay allocated between pieces."""
+
+    def __init__(self, model: ML4, rows: int):
+        super().__init__(rows)
+        dev = model.device
+        self.tokens = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.olat = torch.zeros(rows, model.layers[0].attention.n_heads, model.cfg.kv_lora_rank, dtype=model.dtype,
+                                device=dev)
 
 
 class Piece:

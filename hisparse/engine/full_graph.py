@@ -32,7 +32,7 @@ from ..core.step_inputs import StepInputs
 from ..kv.base import LatentKV
 from ..model.attention import AttentionBatch
 from ..model.ml4 import ML4
-from .cuda_graphs import bucket_sizes
+from .cuda_graphs import RowBuffers, bucket_sizes
 
 log = logging.getLogger(__name__)
 
@@ -49,31 +49,12 @@ class LastOp(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-class StepOutputs:
-    """Where every step shape's function leaves its logits and tapped hidden states: rows [:n] of buffers of
-    `rows` rows made up front (logits) or at their first (eager) use (taps), outside any graph, so a graph's own temporaries are freed when
-    its recording ends and the memory pool reuses them for the next shape."""
-
-    def __init__(self, rows: int):
-        self.rows, self.buffers = rows, {}
-
-    def put(self, name: str, t: torch.Tensor) -> None:
-        buf = self.buffers.get(name)
-        if buf is None:
-            buf = self.buffers[name] = t.new_empty((self.rows, *t.shape[1:]))
-        buf[:t.shape[0]].copy_(t)
-
-    def get(self, name: str, n: int) -> torch.Tensor:
-        """A copy of rows [:n] of buffer `name`."""
-        return self.buffers[name][:n].clone()
-
-
 class StepGraph:
     """One step shape (B segments of q rows over page tables of `span` positions): its static function and, once
     recorded, its CUDA graph."""
 
     def __init__(self, model: ML4, kv: LatentKV, key: tuple[int, int, int], taps: tuple[int, ...],
-                 out: StepOutputs):
+                 out: RowBuffers):
         self.model, self.kv, self.key, self.taps, self.out = model, kv, key, taps, out
         segments, rows_per_seg, _ = key
         self.seg = torch.arange(segments, device=model.device).repeat_interleave(rows_per_seg)   # [B q], fixed
@@ -120,7 +101,8 @@ class FullGraphs:
         self.buckets = bucket_sizes(max_segments)
         self.max_rows_per_seg = max_rows_per_seg
         self.inputs = StepInputs(model.device, static=True)
-        self.out = StepOutputs(self.buckets[-1] * max_rows_per_seg)
+        # logits (made up front) and taps of every step shape, outside any graph
+        self.out = RowBuffers(self.buckets[-1] * max_rows_per_seg)
         self.out.buffers["logits"] = torch.empty(self.out.rows, model.cfg.vocab_size, dtype=model.logits_dtype,
                                                  device=model.device)
         self.graphs: dict[tuple[int, int, int], StepGraph] = {}
@@ -166,8 +148,8 @@ class FullGraphs:
         kv.end_step_host()
         self.steps += 1
         if trace is not None:
-            trace.taps.update({i: self.out.get(f"tap{i}", S * q) for i in graph.taps})
-        return self.out.get("logits", S * q)
+            trace.taps.update({i: self.out.get(f"tap{i}", S * q).clone() for i in graph.taps})
+        return self.out.get("logits", S * q).clone()
 
     def run_eager(self, graph: StepGraph, views: dict[str, torch.Tensor]) -> None:
         """Run a key's step eagerly, then (capturing) record it; graphs recorded on buffers the store has since
