@@ -39,10 +39,14 @@ SIZES, INTERLEAVES = (1, 2, 3, 4), (1, 2)
 GREEDY = 64
 
 
-def hisparse_kv(model, index_cache: str = "fp32") -> HiSparseKV:
-    """A store whose device working set (2 sinks + 4-token window + 4 hot slots) is far below the context."""
+def hisparse_kv(model, index_cache: str = "fp32", resident_pages: int | None = None) -> HiSparseKV:
+    """A store whose device working set (2 sinks + 4-token window + 4 hot slots) is far below the context;
+    resident_pages: hybrid, with that many device pages (fewer than the scenario's, so some spill)."""
+    gib = None
+    if resident_pages is not None:
+        gib = resident_pages * 8 * 56 * len(model.cfg.kv_source_layers) / 2**30     # 8-token pages, 56-B rows
     return HiSparseKV(model.cfg, "fp8_ds_mla", dtype=model.dtype, host_pool_gib=0.002, hot_buffer_tokens=4,
-                      resident_window=4, sink_tokens=2, page_tokens=8, index_cache=index_cache)
+                      resident_window=4, sink_tokens=2, page_tokens=8, index_cache=index_cache, device_kv_gib=gib)
 
 
 def scenario(model, kv: LatentKV, seed: int, greedy: int = GREEDY) -> dict:
@@ -76,20 +80,22 @@ def scenario(model, kv: LatentKV, seed: int, greedy: int = GREEDY) -> dict:
     kv.release("b")
     if greedy:
         out["greedy"] = greedy_generate(model, kv, c.tolist(), greedy, chunk=10, req="c").tokens
-    out["misses"] = kv.stats.misses
+    out["misses"], out["spilled"] = kv.stats.misses, store.stats.spilled_pages
     return out
 
 
 def models(seed: int) -> dict:
     fp64 = tiny_model(seed)
-    return {"fp64": fp64, "fp32": tiny_model(seed, torch.float32, sharp=False), "fp8_keys": fp64}
+    return {"fp64": fp64, "fp32": tiny_model(seed, torch.float32, sharp=False), "fp8_keys": fp64, "hybrid": fp64}
 
 
 def stores(models: dict) -> dict:
     """fp64: HiSparse with fp8 rows; fp32: exact rows (see the module docstring); fp8_keys: fp64's store with
-    132-B fp8 indexer-key records (each rank holds its own positions' records)."""
+    132-B fp8 indexer-key records (each rank holds its own positions' records); hybrid: fp64's store with 3
+    resident pages per rank (b's first chunk, one token, holds no page on ranks > 0)."""
     return {"fp64": hisparse_kv(models["fp64"]), "fp32": ResidentKV(models["fp32"].cfg, None, dtype=torch.float32),
-            "fp8_keys": hisparse_kv(models["fp8_keys"], index_cache="fp8")}
+            "fp8_keys": hisparse_kv(models["fp8_keys"], index_cache="fp8"),
+            "hybrid": hisparse_kv(models["hybrid"], resident_pages=3)}
 
 
 def run_all(models: dict, wrap, seed: int) -> dict:
@@ -179,6 +185,12 @@ def test_dcp_matches_single_rank(dcp_runs, size: int, interleave: int):
     assert got8["greedy"] == ref8["greedy"] and len(got8["greedy"]) == GREEDY
     assert any(not torch.equal(w, h) for a, b in zip(ref["selections"], ref8["selections"], strict=True)
                for layer in a for w, h in zip(a[layer], b[layer], strict=True))    # the fp8 keys really scored
+    # hybrid (resident pages, some spilled): the single-rank selections and greedy tokens
+    refh, goth = refs["hybrid"], ranks[0][(size, interleave)]["hybrid"]
+    for want, have in zip(refh["selections"], goth["selections"], strict=True):
+        assert all(torch.equal(w, h) for layer in want for w, h in zip(want[layer], have[layer], strict=True))
+    assert rel_error(refh, goth) == 0.0 if size == 1 else rel_error(refh, goth) < 1e-12
+    assert goth["greedy"] == refh["greedy"] == ref["greedy"] and goth["spilled"] > 0
     # every rank computed the same logits (hidden states stay replicated) and really used its host pool
     for r in range(size):
         for name in ("fp64", "fp32"):

@@ -5,7 +5,7 @@ Greedy completions (64 tokens, concurrent, servers in fp64) equal the single-ran
 /metrics shows every rank's pool; a follower killed or stopped mid-request fails the request with an error naming
 DCP and the rank, the server exits non-zero within the timeout and leaves no process behind; a follower that dies
 while loading ends `serve` with its error. In process: the followers' DSpark draft windows are bit-identical to
-rank 0's.
+rank 0's; a forward that raises on one rank fails the group (no rank reruns part of a step alone).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from serving import KEY, MAX_MODEL_LEN, Server, free_port, running, wait_healthy
 from hisparse.parallel.context import DCPContext
 from hisparse.parallel.group import RankGroup
 from hisparse.parallel.sharded_kv import ShardedKV
-from hisparse.parallel.launch import launch as launch_ranks
+from hisparse.parallel.launch import DCPLaunchError, launch as launch_ranks
 from hisparse.parallel.leader import Leader
 from hisparse.parallel.serve import run_follower
 from hisparse.engine.engine import Engine
@@ -324,3 +324,45 @@ def test_draft_windows_replicated_on_every_rank(seed: int) -> None:
         assert (lead["pos"][req] >= 0).sum() > 0
         assert torch.equal(lead["pos"][req], follow["pos"][req])
         assert torch.equal(lead["rows"][req], follow["rows"][req])
+
+
+def failing_forward_rank(group: RankGroup, seed: int, who: int) -> None:
+    """Every rank: the engine path on 2 DCP ranks; rank `who`'s store raises in the third step's writes."""
+    model = load_model(builtin_tiny())
+    kv = KVSettings(host_pool_gib=POOL_GIB, hot_buffer_tokens=HOT, resident_window=WINDOW).build(model.cfg)
+    if group.rank == who:
+        write, steps = kv.write, kv.stats
+
+        def failing_write(*args) -> None:
+            if steps.steps >= 3:
+                raise RuntimeError("injected write failure")
+            write(*args)
+        kv.write = failing_write
+    if group.rank > 0:
+        run_follower(group, model, ShardedKV(kv, DCPContext(group, 1)), None)
+        return
+    sharded = ShardedKV(kv, DCPContext(group, 1))
+    leader = Leader(group, sharded)
+    engine = Engine(model, sharded, SchedulerConfig(max_model_len=512, max_num_seqs=4, max_num_batched_tokens=64),
+                    hooks=leader)
+    leader.start_up(model)
+    for p in prompts(seed):
+        engine.add_request(p, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    for _ in range(20):
+        engine.step()
+    raise AssertionError("the group ran on past a failed forward")
+
+
+@pytest.mark.parametrize("who", [0, 1])
+def test_a_failed_forward_fails_the_group_not_one_request(seed: int, who: int) -> None:
+    """A forward that fails on one rank is not rerun request by request (the other ranks ran it whole, so a rerun
+    would run different collectives): rank 0's engine stops on it, a follower exits with it, and the peer's next
+    collective fails with a GroupError."""
+    with pytest.raises(DCPLaunchError) as info:
+        launch_ranks(failing_forward_rank, 2, seed, who, threads=1, timeout_s=5.0, deadline_s=120.0)
+    errors = info.value.errors
+    assert "injected write failure" in errors[who], errors
+    if who == 0:
+        assert "EngineFatal" in errors[0] and "cannot rerun it request by request" in errors[0], errors
+    else:
+        assert "GroupError" in errors[0] and "peer rank died" in errors[0], errors

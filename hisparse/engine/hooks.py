@@ -22,8 +22,11 @@ class EngineFatal(RuntimeError):
 
 class EngineHooks:
     """Defaults: nothing happens. `idle_s`: after this long without work the engine calls `idle` (None: it
-    just waits for work)."""
+    just waits for work). `isolates_failures`: a failed forward is rolled back and rerun request by request; a
+    parallel group cannot do that (its ranks would run different collectives), so there a failed forward is
+    fatal."""
     idle_s: float | None = None
+    isolates_failures: bool = True
 
     def proposer(self, proposer: Proposer) -> Proposer:
         """The drafter the speculator calls (rank 0 under tensor parallelism: one that runs its block forwards on

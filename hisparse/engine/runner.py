@@ -128,6 +128,9 @@ class ModelRunner:
         except EngineFatal:        # the group is broken, not one request: nothing to isolate
             raise
         except Exception as e:   # noqa: BLE001 - isolated below, request by request
+            if not self.hooks.isolates_failures:
+                raise EngineFatal(f"the step's forward failed ({type(e).__name__}: {e}); the parallel group "
+                                  "cannot rerun it request by request") from e
             if len(step.reqs) == 1:
                 self.kv.truncate(step.reqs[0].id, step.segments[0].start)
                 return StepResult(failed=[(step.reqs[0], e)])

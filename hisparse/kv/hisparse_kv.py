@@ -141,8 +141,8 @@ class HiSparseKV(HybridPages, LatentKV):
             inputs.stage("real", torch.tensor([s.req is not PAD for s in segments]))
         rows = sum(s.length for s in segments if s.req is not PAD)
         self.stats.device_to_host_bytes += rows * self.layout.row_bytes * len(self.arena.owners)
-        if self.resident is not None:     # (padding never takes a device page from a request)
-            self.place_pages([s for s in segments if s.req is not PAD])
+        if self.resident is not None:     # padding never takes a device page; a DCP rank may hold no page of a request
+            self.place_pages([s for s in segments if s.req is not PAD and s.req in tables])
         self.forget_step()
 
     def forget_step(self) -> None:

@@ -33,8 +33,8 @@ class Follower:
                 self.apply(op)
             if msg.stop:
                 return
-            if msg.step is not None:
-                self.last = {o.index: o for o in self.runner.execute(msg.step).ok}
+            if msg.step is not None:    # a failure here ends this rank (no rerun: rank 0 ran the step as a whole)
+                self.last = {o.index: o for o in self.runner.forward(msg.step, list(range(len(msg.step.reqs))))}
             gather_pools(self.group, self.runner.kv)
 
     def apply(self, op: Op) -> None:

@@ -30,6 +30,8 @@ class Leader(EngineHooks):
     DCP). `lockstep_drafts`: every rank runs the drafter's block forwards (tensor parallelism). `diagnose`
     (optional) says which peer failed, for the error every request in flight gets when the group breaks."""
 
+    isolates_failures = False      # the followers ran the step too: a rerun of part of it would diverge
+
     def __init__(self, group: RankGroup, kv: LatentKV, lockstep_drafts: bool = False):
         self.group, self.kv, self.lockstep_drafts = group, kv, lockstep_drafts
         self.idle_s = group.timeout_s / 4
