@@ -83,7 +83,7 @@ def alternating_step_ratio(engines: dict[str, Engine], prompts: list[list[int]],
                            steps: int) -> dict:
     """Median decode step (ms) of each engine serving `prompts` (as many as it admits), their steps interleaved
     so that machine noise hits them alike (a sequential sweep on a shared CPU drifts by several percent between
-    modes)."""
+    modes), the engines' order rotating every round (no engine always runs after the same other one)."""
     params = dataclasses.replace(params, max_tokens=steps + 8)     # no request ends inside the timed steps
     for eng in engines.values():
         for p in prompts:
@@ -91,10 +91,11 @@ def alternating_step_ratio(engines: dict[str, Engine], prompts: list[list[int]],
         while eng.step().prompt_tokens:      # prefill, then the first decode step
             pass
     times: dict[str, list[float]] = {name: [] for name in engines}
-    for _ in range(steps):
-        for name, eng in engines.items():
+    names = list(engines)
+    for i in range(steps):
+        for name in names[i % len(names):] + names[:i % len(names)]:
             t0 = time.perf_counter()
-            eng.step()
+            engines[name].step()
             times[name].append(time.perf_counter() - t0)
     return {name: 1000 * statistics.median(t) for name, t in times.items()}
 

@@ -33,6 +33,7 @@ class ResidentPages:
         self.step = 0                                                # the current step (stamps of new pages)
         self.spilled_pages = 0                                       # pages spilled so far (a counter)
         self.readmitted_pages = 0                                    # spilled pages brought back so far
+        self.version = 0                                             # changes with every map / unmap
 
     @property
     def resident(self) -> int:
@@ -55,11 +56,11 @@ class ResidentPages:
         self.allocated = new
         return True
 
-    def place(self, host_pages: Iterable[int], keep: set[int]) -> None:
-        """Give each new host page of a request a device page: a free one, else the coldest resident page's outside
-        `keep` (the pages this step writes), which spills. Pages that find none stay host-only."""
+    def place(self, host_pages: Iterable[int], keep: set[int], spill: bool = True) -> None:
+        """Give each new host page of a request a device page: a free one, else (with `spill`) the coldest resident
+        page's outside `keep` (the pages this step writes), which spills. Pages that find none stay host-only."""
         for h in host_pages:
-            if not self.free and not self.spill_coldest(keep):
+            if not self.free and not (spill and self.spill_coldest(keep)):
                 return
             self.map(h, self.free.pop())
 
@@ -96,11 +97,13 @@ class ResidentPages:
                 self.unmap(h)
 
     def map(self, h: int, d: int) -> None:
+        self.version += 1
         self.dev_of[h], self.host_of[d] = d, h
         self.pending[h] = d
         self.restamp[d] = self.step      # a page written or brought back now counts as just used
 
     def unmap(self, h: int) -> None:
+        self.version += 1
         d = self.dev_of.pop(h)
         del self.host_of[d]
         self.free.append(d)

@@ -70,6 +70,7 @@ class HiSparseKV(HybridPages, LatentKV):
         # hybrid: resident pages (None: every row outside the window comes from the host pool)
         self.resident = ResidentPages(n_pages, self.device) if n_pages else None
         self.placed: dict[Hashable, int] = {}   # request -> how many of its pages were offered a device page
+        self.page_count: dict[Hashable, tuple[int, int, int]] = {}   # request -> (map version, pages, resident)
         self.resident_split: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.seg_pages: torch.Tensor | None = None   # per step: [S, max_pages] device page (-1: host only)
         self.seg_base: tuple[torch.Tensor, torch.Tensor] | None = None   # per step: (rows' segments, their offset)
@@ -78,6 +79,7 @@ class HiSparseKV(HybridPages, LatentKV):
         self.count_weights = {every: torch.tensor(every, device=self.device)}
         self.all_resident = False   # per step: every page of every request of the step is resident
         self.skip_split = False     # per step: too few of its pages resident to split selections (hybrid.py)
+        self.writes_pages = False   # per step: some of its rows go to resident pages (hybrid.py)
         self.arena = DeviceArena({l.index: l.kv_source for l in cfg.layers}, n_slots, window, sink_tokens,
                                  self.layout.row_bytes, self.device)
         self.hot = {g: HotSlots(n_slots, self.device) for g in cfg.index_owner_layers}
@@ -210,7 +212,7 @@ class HiSparseKV(HybridPages, LatentKV):
         keep = (pos < self.sinks) | (pos >= end - self.window) if self.window else pos < self.sinks
         dest = torch.where(keep, a.owner_win_base + a.window_index(slot, pos), a.scratch_row)    # [O, n]
         a.data.index_copy_(0, dest.flatten(), src.flatten(0, 1))
-        if self.resident is not None and self.skip_split:    # the resident pages' rows, every KV owner at once
+        if self.writes_pages and self.skip_split:    # the resident pages' rows, every KV owner at once
             a.data.index_copy_(0, self.step_page_dest.flatten(), src.flatten(0, 1))
         written = torch.zeros_like(self.win_len).scatter_reduce_(0, slot, end, "amax")
         torch.maximum(self.win_len, written, out=self.win_len)
@@ -243,7 +245,7 @@ class HiSparseKV(HybridPages, LatentKV):
         a = self.arena
         if self.step_rows is None:    # the same rows every KV-owning layer
             self.step_rows = (seg, positions)
-            if self.resident is not None:     # their rows within a page region (-1: host only), once per step
+            if self.writes_pages:     # their rows within a page region (-1: host only), once per step
                 d = self.page_of(seg, positions)
                 self.step_page_rows = torch.where(d >= 0, d * self.page_tokens + positions % self.page_tokens, -1)
                 # [O, n] every KV owner's arena rows of them (host-only positions: the scratch row)
@@ -252,7 +254,7 @@ class HiSparseKV(HybridPages, LatentKV):
                                                    a.scratch_row))
         if not self.all_resident:        # (a step whose every page is resident reads and keeps them there only)
             a.data[a.step_base[layer]: a.step_base[layer] + data.shape[0]] = data
-        if self.resident is not None and not self.skip_split:    # and into the positions' resident pages (a
+        if self.writes_pages and not self.skip_split:    # and into the positions' resident pages (a
             a.data.index_copy_(0, self.step_page_dest[self.owner_index[layer]], data)   # step reading none: at end)
         if self.kernels == "triton":      # straight into the pool, ordered before the next step's miss path
             from ..gpu_working_set.kernels.backup_triton import backup
@@ -389,6 +391,7 @@ class HiSparseKV(HybridPages, LatentKV):
         if self.resident is not None:   # pages another request still holds stay resident
             self.resident.release(self.pages.held_only_by(req))
             self.placed.pop(req, None)
+            self.page_count.pop(req, None)
         super().release(req)
         slot = self.slot_of.pop(req, None)
         if slot is not None:

@@ -29,32 +29,55 @@ class HybridPages:
     def place_pages(self, segments: Sequence) -> None:
         """Hybrid: offer every request's new pages a device page (spilling the coldest others' if the device is
         full), bring spilled pages back while device pages are free (copied from the host pool), and send the
-        changes to the device."""
+        changes to the device. Host work per step is the step's new pages; a request's pages are walked only when
+        its table grew or the device map changed."""
         res, P, tables = self.resident, self.page_tokens, self.pages.tables
         res.step = self.step
         res.fit(self.pages.high_water)
-        keep = {h for s in segments for h in tables[s.req][s.start // P: -(-(s.start + s.length) // P)]}
-        wanted = res.resident + len({h for s in segments for h in tables[s.req] if h not in res.dev_of})
-        if wanted > res.allocated:
-            self.grow_pages(wanted)
-        for s in segments:
-            pages = tables[s.req]
-            res.place(pages[self.placed.get(s.req, 0):], keep)
-            self.placed[s.req] = len(pages)
-        back = [pair for s in segments if res.free for pair in res.readmit(tables[s.req])]
-        if back:
-            self.copy_back(back)
+        held, n_resident = self.page_counts(segments)
+        version = res.version
+        if held > n_resident and res.resident + held - n_resident > res.allocated:
+            self.grow_pages(res.resident + held - n_resident)
+        written = [h for s in segments for h in tables[s.req][s.start // P: -(-(s.start + s.length) // P)]]
+        if any(len(tables[s.req]) > self.placed.get(s.req, 0) for s in segments):
+            # a step with too few of its pages resident reads none from the device (skip_split): spilling a page
+            # for a new one would only move the few resident pages around
+            spill, keep = n_resident >= MIN_RESIDENT_SHARE * held, set(written)
+            for s in segments:
+                pages = tables[s.req]
+                res.place(pages[self.placed.get(s.req, 0):], keep, spill)
+                self.placed[s.req] = len(pages)
+        if res.free and held > n_resident:
+            back = [pair for s in segments if res.free for pair in res.readmit(tables[s.req])]
+            if back:
+                self.copy_back(back)
         res.apply()
         self.stats.spilled_pages = res.spilled_pages
-        held = [h for s in segments for h in tables[s.req]]
-        n_resident = sum(h in res.dev_of for h in held)
+        if res.version != version:
+            held, n_resident = self.page_counts(segments)
         # a static step runs the general path whatever is resident (its ops must not depend on the step)
-        self.all_resident = not self.static and n_resident == len(held)
+        self.all_resident = not self.static and n_resident == held
+        # whether the step writes rows into resident pages (a static step computes their places whatever they are;
+        # an all-resident step reads its rows back from there, even a DCP rank's step that owns none of them)
+        self.writes_pages = self.static or self.all_resident or any(h in res.dev_of for h in written)
         # with few resident pages, splitting every selection costs more than their reads save: the step reads
         # every selected row through the working set (exact: the host pool backs every row up)
-        self.skip_split = not self.static and n_resident < MIN_RESIDENT_SHARE * len(held)
+        self.skip_split = not self.static and n_resident < MIN_RESIDENT_SHARE * held
         # a decode step with every page resident reads every position its rows select: min(k, end) per row
         self.step_visible = sum(min(self.cfg.index_topk, s.start + s.length) for s in segments)
+
+    def page_counts(self, segments: Sequence) -> tuple[int, int]:
+        """(pages, resident pages) the step's requests hold; a request's are counted again only when its table
+        grew or the device map changed since."""
+        res, tables, held, resident = self.resident, self.pages.tables, 0, 0
+        for s in segments:
+            pages = tables[s.req]
+            known = self.page_count.get(s.req)
+            if known is None or known[0] != res.version or known[1] != len(pages):
+                known = self.page_count[s.req] = (res.version, len(pages), res.count(pages))
+            held += known[1]
+            resident += known[2]
+        return held, resident
 
     def grow_pages(self, want: int) -> None:
         """Allocate resident pages towards `want` (up to the budget) and grow the arena's page region to match."""
