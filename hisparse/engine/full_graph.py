@@ -141,26 +141,27 @@ class FullGraphs:
         graph = self.graphs.get(key)
         if graph is None:
             graph = self.graphs[key] = StepGraph(self.model, kv, key, trace.tap_layers if trace else (), self.out)
-        if graph.graph is not None and self.held == self.addresses():
+        held = self.addresses()
+        if graph.graph is not None and self.held == held:
             graph.graph.replay()
         else:
-            self.run_eager(graph, views)
+            self.run_eager(graph, views, held)
         kv.end_step_host()
         self.steps += 1
         if trace is not None:
             trace.taps.update({i: self.out.get(f"tap{i}", S * q).clone() for i in graph.taps})
         return self.out.get("logits", S * q).clone()
 
-    def run_eager(self, graph: StepGraph, views: dict[str, torch.Tensor]) -> None:
+    def run_eager(self, graph: StepGraph, views: dict[str, torch.Tensor], held: tuple[int, ...]) -> None:
         """Run a key's step eagerly, then (capturing) record it; graphs recorded on buffers the store has since
-        reallocated are dropped first."""
+        reallocated (`held`: the addresses now) are dropped first."""
         if not self.capture:
             graph.body(views)
             return
-        if self.held != self.addresses():
+        if self.held != held:
             for g in self.graphs.values():
                 g.graph = None
-            self.held = self.addresses()
+            self.held = held
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):                  # the step itself, and the warm-up of its recording

@@ -121,3 +121,9 @@ class PageTable:
 def paged_rows(table: torch.Tensor, seg: torch.Tensor, positions: torch.Tensor, page_tokens: int) -> torch.Tensor:
     """Flat store rows of `positions` (any shape) of segments `seg` (same shape) under the page `table`."""
     return table[seg, positions // page_tokens] * page_tokens + positions % page_tokens
+
+
+def span_rows(pages: Sequence[int], start: int, end: int, page_tokens: int) -> list[int]:
+    """Flat store rows of positions start .. end - 1 of one request with page list `pages` (host ints: the few
+    rows a step writes)."""
+    return [pages[p // page_tokens] * page_tokens + p % page_tokens for p in range(start, end)]

@@ -44,11 +44,10 @@ RowSource = Callable[[int, int], torch.Tensor]   # (lo, hi) -> decoded rows [hi 
 class StepTables:
     """Per-forward addressing on the compute device (segment s = the step's s-th segment, one per request)."""
     reqs: list[Hashable]
-    start: torch.Tensor | None   # [S] first position written this step
-    end: torch.Tensor | None     # [S] start + length: the context each segment's rows can see
-    pages: torch.Tensor | None   # [S, max_pages] page ids of the KV store's page table
+    start: torch.Tensor          # [S] first position written this step
+    end: torch.Tensor            # [S] start + length: the context each segment's rows can see
+    pages: torch.Tensor          # [S, max_pages] page ids of the KV store's page table
     max_end: int                 # bound on every end (host int: the width of padded key scans)
-    host_pages: torch.Tensor     # the same page ids on the host, for host-side addressing (no device read)
 
 
 @dataclass
@@ -150,14 +149,12 @@ class LatentKV(ABC):
         inputs = inputs if inputs is not None else StepInputs(self.device)
         reqs = [s.req for s in segments]
         max_end = span if span is not None else max((s.start + s.length for s in segments), default=0)
-        host_pages = self.pages.table(reqs, None if span is None else self.pages_for(span))
         inputs.stage("start", torch.tensor([s.start for s in segments], dtype=torch.long))
         inputs.stage("end", torch.tensor([s.start + s.length for s in segments], dtype=torch.long))
-        inputs.stage("pages", host_pages)
-        self.tables = StepTables(reqs, None, None, None, max_end, host_pages)   # device tables after the copy
+        inputs.stage("pages", self.pages.table(reqs, None if span is None else self.pages_for(span)))
         self.stage(segments, query_rows, inputs)
         views = inputs.commit()
-        self.tables.start, self.tables.end, self.tables.pages = views["start"], views["end"], views["pages"]
+        self.tables = StepTables(reqs, views["start"], views["end"], views["pages"], max_end)
         self.bind(views)
         return views
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..host_pool.pages import paged_rows
+from ..host_pool.pages import paged_rows, span_rows
 from ..host_pool.pool import HostPool
 from ..core.config import ModelConfig
 from ..core.batch import PAD
@@ -128,7 +128,7 @@ class HiSparseKV(HybridPages, LatentKV):
             slots.append(self.slot_for(seg.req))
             row0.append(len(rows))
             pages = tables.get(seg.req, ())     # (a DCP rank may hold none of a short request)
-            rows += [pages[p // P] * P + p % P for p in range(seg.start, seg.start + seg.length)]
+            rows += span_rows(pages, seg.start, seg.start + seg.length, P)
         self.fit_slots(max(self.slot_of.values(), default=-1) + 1, len(rows))
         self.step_host_rows = torch.tensor(rows, dtype=torch.long)
         self.max_rows = max(query_rows if query_rows is not None else (s.length for s in segments), default=0)
