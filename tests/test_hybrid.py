@@ -158,3 +158,30 @@ def test_few_resident_pages_read_through_the_working_set(model):
     assert skipped and split and not any(skipped) and any(split)
     s, t = kv.stats, always.stats
     assert s.resident_hits + s.hits + s.misses == t.hits + t.misses
+
+
+def test_windows_left_by_all_resident_decode_steps_are_reloaded(model):
+    """A lone request decodes with every page resident, so its steps leave the resident window as it was; when a
+    long request joins and the step's resident share falls below MIN_RESIDENT_SHARE (every selected row through the
+    working set, window rows included), the first request's window is loaded from the host pool first. Logits stay
+    bit-identical to ResidentKV at every step."""
+    kv, ref = hybrid(model.cfg, "fp8_ds_mla", 4), ResidentKV(model.cfg, "fp8_ds_mla")
+    g = torch.Generator().manual_seed(3)
+    a, b = (torch.randint(0, model.cfg.vocab_size, (n,), generator=g) for n in (40, 600))
+
+    def step(tokens: torch.Tensor, segs: list[Segment]) -> torch.Tensor:
+        want, got = model(tokens, segs, ref), model(tokens, segs, kv)
+        assert torch.equal(want, got)
+        return want.argmax(-1)
+
+    nxt, n = step(a, [Segment("a", 0, 40)])[-1:], 40
+    for _ in range(6):                        # "a" alone: every page resident, its window left as it was
+        nxt, n = step(nxt, [Segment("a", n, 1)]), n + 1
+        assert kv.windows_wait and not kv.skip_split and "a" in kv.stale_windows
+    out = step(torch.cat((nxt, b)), [Segment("a", n, 1), Segment("b", 0, 600)])    # 4 of 41 pages resident
+    assert kv.skip_split and not kv.stale_windows
+    nxt, n = torch.stack((out[0], out[-1])), {"a": n + 1, "b": 600}
+    for _ in range(3):
+        nxt = step(nxt, [Segment("a", n["a"], 1), Segment("b", n["b"], 1)])
+        n = {r: p + 1 for r, p in n.items()}
+    assert kv.stats.misses > 0

@@ -80,6 +80,8 @@ class HiSparseKV(HybridPages, LatentKV):
         self.all_resident = False   # per step: every page of every request of the step is resident
         self.skip_split = False     # per step: too few of its pages resident to split selections (hybrid.py)
         self.writes_pages = False   # per step: some of its rows go to resident pages (hybrid.py)
+        self.stale_windows: set[Hashable] = set()   # requests whose windows missed all-resident decode steps
+        self.windows_wait = False   # per step: an all-resident decode step leaves the windows as they are
         self.arena = DeviceArena({l.index: l.kv_source for l in cfg.layers}, n_slots, window, sink_tokens,
                                  self.layout.row_bytes, self.device)
         self.hot = {g: HotSlots(n_slots, self.device) for g in cfg.index_owner_layers}
@@ -180,34 +182,41 @@ class HiSparseKV(HybridPages, LatentKV):
         offered new device pages (nothing writes them), they come back through `readmit` while pages are free."""
         slot = self.slot_for(req)
         self.fit_slots(slot + 1, self.arena.step_cap)
+        self.load_window(req, n_tokens)
+        self.placed[req] = self.pages.pages_of(req)
+
+    def load_window(self, req: Hashable, n_tokens: int) -> None:
+        """A request's sinks and resident window over its first n_tokens positions, from the host pool."""
+        slot = self.slot_of[req]
         ends = (min(self.sinks, n_tokens), max(self.sinks, n_tokens - self.window))
         pos = torch.cat((torch.arange(ends[0]), torch.arange(ends[1], n_tokens)))
         rows = paged_rows(self.pages.page_ids[req][None], torch.zeros_like(pos), pos, self.page_tokens)
         self.load_rows(rows, self.arena.win_base, self.arena.window_index(torch.tensor(slot), pos).to(self.device))
         self.win_len[slot] = n_tokens
         self.win_lo[slot] = max(0, n_tokens - self.window)
-        self.placed[req] = self.pages.pages_of(req)
+        self.stale_windows.discard(req)
 
     def end_step_device(self) -> None:
         """Back the step's new rows up to the host pool (torch path: every KV-owning layer's in one copy), move the
         newest into the resident windows (one gather and one scatter for every KV-owning layer at once), into
         their resident pages when the step did not split its selections (hybrid.py), and advance every written
-        request's window bounds (in place: a captured step replays on the same tensors)."""
+        request's window bounds (in place: a captured step replays on the same tensors). An eager all-resident
+        decode step only backs its rows up (hybrid.py: `windows_wait`)."""
         self.count_resident()
         if self.step_rows is None:
             return
         seg, pos = self.step_rows
         a, slot = self.arena, self.step_slot[seg]
         end = self.tables.end[seg]
+        if self.windows_wait:     # the rows are in their pages; the windows are loaded when a step needs them
+            if self.kernels != "triton":
+                self.back_up(a.gather(a.owner_page_base + self.step_page_rows))
+            return
         # [O, n, B]: from the step region, or from their resident pages when the step wrote only those
         src = a.gather(a.owner_page_base + self.step_page_rows if self.all_resident else
                        a.owner_step_base + torch.arange(pos.numel(), device=self.device))
         if self.kernels != "triton":     # (the Triton path's backup kernel wrote them during the step)
-            # the pool's rows: addressed from the host on CUDA, from the step's inputs on the CPU (where the
-            # pool and the inputs share the device, so a static step reads the same tensor every time)
-            rows = (self.owner_pool_base + (self.step_host_rows if self.copier.cuda else self.step_pool_rows))
-            self.copier.backup(src.flatten(0, 1), lambda d: self.pool.rows.index_copy_(0, rows.flatten(), d.cpu()))
-            self.copier.flush()
+            self.back_up(src)
         # sink positions go to their sink rows, the segment's newest W others to their ring rows (p % W)
         keep = (pos < self.sinks) | (pos >= end - self.window) if self.window else pos < self.sinks
         dest = torch.where(keep, a.owner_win_base + a.window_index(slot, pos), a.scratch_row)    # [O, n]
@@ -217,6 +226,14 @@ class HiSparseKV(HybridPages, LatentKV):
         written = torch.zeros_like(self.win_len).scatter_reduce_(0, slot, end, "amax")
         torch.maximum(self.win_len, written, out=self.win_len)
         torch.maximum(self.win_lo, self.win_len - self.window, out=self.win_lo)
+
+    def back_up(self, src: torch.Tensor) -> None:
+        """Copy the step's rows src [O, n, B] to the host pool (torch path). The pool's rows are addressed from the
+        host on CUDA, from the step's inputs on the CPU (where the pool and the inputs share the device, so a
+        static step reads the same tensor every time)."""
+        rows = (self.owner_pool_base + (self.step_host_rows if self.copier.cuda else self.step_pool_rows))
+        self.copier.backup(src.flatten(0, 1), lambda d: self.pool.rows.index_copy_(0, rows.flatten(), d.cpu()))
+        self.copier.flush()
 
     def end_step_host(self) -> None:
         """Forget the step's per-layer state; fold the device counters into `stats` every step (eager) or every
@@ -392,6 +409,7 @@ class HiSparseKV(HybridPages, LatentKV):
             self.resident.release(self.pages.held_only_by(req))
             self.placed.pop(req, None)
             self.page_count.pop(req, None)
+            self.stale_windows.discard(req)
         super().release(req)
         slot = self.slot_of.pop(req, None)
         if slot is not None:

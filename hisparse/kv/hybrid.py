@@ -57,6 +57,15 @@ class HybridPages:
             held, n_resident = self.page_counts(segments)
         # a static step runs the general path whatever is resident (its ops must not depend on the step)
         self.all_resident = not self.static and n_resident == held
+        # an eager all-resident decode step reads no window: the window moves wait until a step needs them (it
+        # loads them from the host pool first); a prefill leaves them current, for static decode steps
+        self.windows_wait = self.all_resident and all(s.length <= 1 for s in segments)
+        if self.windows_wait:
+            self.stale_windows.update(s.req for s in segments)
+        elif not self.all_resident:
+            for s in segments:
+                if s.req in self.stale_windows:
+                    self.load_window(s.req, s.start)
         # whether the step writes rows into resident pages (a static step computes their places whatever they are;
         # an all-resident step reads its rows back from there, even a DCP rank's step that owns none of them)
         self.writes_pages = self.static or self.all_resident or any(h in res.dev_of for h in written)
