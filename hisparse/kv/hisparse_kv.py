@@ -206,12 +206,12 @@ class HiSparseKV(HybridPages, LatentKV):
         if self.step_rows is None:
             return
         seg, pos = self.step_rows
-        a, slot = self.arena, self.step_slot[seg]
-        end = self.tables.end[seg]
+        a = self.arena
         if self.windows_wait:     # the rows are in their pages; the windows are loaded when a step needs them
             if self.kernels != "triton":
                 self.back_up(a.gather(a.owner_page_base + self.step_page_rows))
             return
+        slot, end = self.step_slot[seg], self.tables.end[seg]
         # [O, n, B]: from the step region, or from their resident pages when the step wrote only those
         src = a.gather(a.owner_page_base + self.step_page_rows if self.all_resident else
                        a.owner_step_base + torch.arange(pos.numel(), device=self.device))
