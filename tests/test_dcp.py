@@ -42,11 +42,12 @@ GREEDY = 64
 def hisparse_kv(model, index_cache: str = "fp32", resident_pages: int | None = None) -> HiSparseKV:
     """A store whose device working set (2 sinks + 4-token window + 4 hot slots) is far below the context;
     resident_pages: hybrid, with that many device pages (fewer than the scenario's, so some spill)."""
-    gib = None
+    geometry = dict(host_pool_gib=0.002, hot_buffer_tokens=4, resident_window=4, sink_tokens=2, page_tokens=8)
+    gib = None     # (the scenario runs two requests at once: their working sets, and the pages beside them)
     if resident_pages is not None:
-        gib = resident_pages * 8 * 56 * len(model.cfg.kv_source_layers) / 2**30     # 8-token pages, 56-B rows
-    return HiSparseKV(model.cfg, "fp8_ds_mla", dtype=model.dtype, host_pool_gib=0.002, hot_buffer_tokens=4,
-                      resident_window=4, sink_tokens=2, page_tokens=8, index_cache=index_cache, device_kv_gib=gib)
+        gib = HiSparseKV(model.cfg, "fp8_ds_mla", **geometry).budget_gib(2, resident_pages)
+    return HiSparseKV(model.cfg, "fp8_ds_mla", dtype=model.dtype, index_cache=index_cache, device_kv_gib=gib,
+                      **geometry)
 
 
 def scenario(model, kv: LatentKV, seed: int, greedy: int = GREEDY) -> dict:

@@ -73,14 +73,21 @@ def model():
     m.use_kernels("auto")
 
 
+def budget(cfg, slots: int, resident_window: int, pages: int = 32) -> float:
+    """device_kv_gib: `slots` working sets of the tests' geometry and `pages` resident pages beside them."""
+    return HiSparseKV(cfg, "fp8_ds_mla", host_pool_gib=0.004, hot_buffer_tokens=16, resident_window=resident_window,
+                      page_tokens=16).budget_gib(slots, pages)
+
+
 def stores(cfg):
+    gib = budget(cfg, 17, 4)
     return {"resident": lambda: ResidentKV(cfg, "fp8_ds_mla", page_tokens=16),
             "hisparse": lambda: HiSparseKV(cfg, "fp8_ds_mla", host_pool_gib=0.004, hot_buffer_tokens=16,
                                            resident_window=4, page_tokens=16),
             "hybrid": lambda: HiSparseKV(cfg, "fp8_ds_mla", host_pool_gib=0.004, hot_buffer_tokens=16,
-                                         resident_window=4, page_tokens=16, device_kv_gib=6e-5),
+                                         resident_window=4, page_tokens=16, device_kv_gib=gib),
             "hybrid-triton": lambda: HiSparseKV(cfg, "fp8_ds_mla", host_pool_gib=0.004, hot_buffer_tokens=16,
-                                                resident_window=4, page_tokens=16, device_kv_gib=6e-5,
+                                                resident_window=4, page_tokens=16, device_kv_gib=gib,
                                                 kernels="triton")}
 
 
@@ -165,7 +172,8 @@ def test_greedy_tokens_equal_the_eager_engine(seed: int, offload: str) -> None:
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, model.cfg.vocab_size, (n,), generator=g).tolist() for n in (37, 5, 70, 21, 90, 13)]
     make = lambda off: KVSettings(offload=off, host_pool_gib=0.01, hot_buffer_tokens=16, resident_window=8,  # noqa: E731
-                                  page_tokens=16, device_kv_gib=6e-5).build(model.cfg, dtype=torch.float32)
+                                  page_tokens=16, device_kv_gib=budget(model.cfg, 7, 8, 8)).build(model.cfg,
+                                                                                               dtype=torch.float32)
     reference = engine_tokens(model, make("none"), prompts, full=False)
     kv = make(offload)
     assert engine_tokens(model, kv, prompts, full=True) == reference
@@ -174,14 +182,16 @@ def test_greedy_tokens_equal_the_eager_engine(seed: int, offload: str) -> None:
     assert engine_tokens(model, make(offload), prompts, full=False) == reference
 
 
-@pytest.mark.parametrize("device_kv_gib", [None, 6e-5], ids=["hisparse", "hybrid"])
-def test_padding_holds_a_reserved_page_and_is_not_counted(seed: int, device_kv_gib) -> None:
+@pytest.mark.parametrize("hybrid", [False, True], ids=["hisparse", "hybrid"])
+def test_padding_holds_a_reserved_page_and_is_not_counted(seed: int, hybrid: bool) -> None:
     """The padding request holds one reserved page; three requests padded to the bucket of 4 give the eager
     steps' logits and count exactly their lookups and bytes."""
     model = random_model(preset_params("tiny"), seed=seed % 10_000)
-    make = lambda: HiSparseKV(model.cfg, "fp8_ds_mla", host_pool_gib=0.004, hot_buffer_tokens=16,  # noqa: E731
-                              resident_window=4, page_tokens=16, device_kv_gib=device_kv_gib)
-    eager, static = make(), make()
+    # hybrid: the same 4 resident pages beside the eager store's 3 working sets and the static one's 4 (padding's)
+    make = lambda slots: HiSparseKV(model.cfg, "fp8_ds_mla", host_pool_gib=0.004,  # noqa: E731
+                                    hot_buffer_tokens=16, resident_window=4, page_tokens=16,
+                                    device_kv_gib=budget(model.cfg, slots, 4, 4) if hybrid else None)
+    eager, static = make(3), make(4)
     graphs = FullGraphs(model, static, 4)
     assert static.reserved[PAD] == 16
     g = torch.Generator().manual_seed(seed)
@@ -213,7 +223,7 @@ def test_recorded_steps_replay_the_eager_tokens(seed: int, offload: str) -> None
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, model.cfg.vocab_size, (n,), generator=g).tolist() for n in (37, 5, 70, 21, 90, 13)]
     make = lambda: KVSettings(offload=offload, host_pool_gib=0.01, hot_buffer_tokens=16, resident_window=8,  # noqa: E731
-                              page_tokens=16, device_kv_gib=6e-5, kernels="triton").attach(model)
+                              page_tokens=16, device_kv_gib=budget(model.cfg, 7, 8, 8), kernels="triton").attach(model)
     cfg = SchedulerConfig(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64)
     params = SamplingParams(max_tokens=10, temperature=0.0)
     eager = [r.output for r in Engine(model, make(), cfg).generate(prompts, params)]

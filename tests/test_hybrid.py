@@ -29,13 +29,13 @@ def model():
     return random_model(p, seed=int(torch.randint(0, 10_000, ()).item()))
 
 
-def hybrid(cfg, layout: str, pages: int | None, dtype: torch.dtype = torch.float32) -> HiSparseKV:
-    """A small HiSparse store computing in `dtype` with `pages` resident device pages (None: always offload)."""
-    page_bytes = len(cfg.kv_source_layers) * PAGE * HiSparseKV(cfg, layout, host_pool_gib=0.001,
-                                                               page_tokens=PAGE).layout.row_bytes
-    gib = None if pages is None else pages * page_bytes / (1 << 30)
-    return HiSparseKV(cfg, layout, "cpu", dtype, host_pool_gib=0.004, hot_buffer_tokens=16, resident_window=8,
-                      page_tokens=PAGE, device_kv_gib=gib)
+def hybrid(cfg, layout: str, pages: int | None, dtype: torch.dtype = torch.float32, slots: int = 3) -> HiSparseKV:
+    """A small HiSparse store computing in `dtype` whose budget holds `slots` working sets (SCRIPT's peak) and
+    `pages` resident device pages beside them (None: always offload, no budget)."""
+    geometry = dict(host_pool_gib=0.004, hot_buffer_tokens=16, resident_window=8, page_tokens=PAGE)
+    probe = HiSparseKV(cfg, layout, **geometry)
+    gib = None if pages is None else probe.budget_gib(slots, pages)
+    return HiSparseKV(cfg, layout, "cpu", dtype, device_kv_gib=gib, **geometry)
 
 
 def check_invariants(kv: HiSparseKV) -> None:
@@ -165,7 +165,7 @@ def test_windows_left_by_all_resident_decode_steps_are_reloaded(model):
     long request joins and the step's resident share falls below MIN_RESIDENT_SHARE (every selected row through the
     working set, window rows included), the first request's window is loaded from the host pool first. Logits stay
     bit-identical to ResidentKV at every step."""
-    kv, ref = hybrid(model.cfg, "fp8_ds_mla", 4), ResidentKV(model.cfg, "fp8_ds_mla")
+    kv, ref = hybrid(model.cfg, "fp8_ds_mla", 4, slots=2), ResidentKV(model.cfg, "fp8_ds_mla")
     g = torch.Generator().manual_seed(3)
     a, b = (torch.randint(0, model.cfg.vocab_size, (n,), generator=g) for n in (40, 600))
 

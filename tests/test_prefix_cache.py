@@ -43,8 +43,7 @@ def store(cfg, kind: str, layout: str, caching: bool, dtype: torch.dtype = torch
     if kind == "resident":
         return ResidentKV(cfg, layout, dtype=dtype, page_tokens=PAGE, prefix_caching=caching, kernels=kernels)
     pages = {"hisparse": None, "hybrid": 64, "spilling": 3}[kind]
-    probe = HiSparseKV(cfg, layout, host_pool_gib=0.001, page_tokens=PAGE)
-    gib = None if pages is None else pages * probe.page_bytes / (1 << 30)
+    gib = None if pages is None else gib_for(cfg, 4, pages, layout)
     return HiSparseKV(cfg, layout, "cpu", dtype, host_pool_gib=pool_gib, hot_buffer_tokens=16, resident_window=8,
                       page_tokens=PAGE, device_kv_gib=gib, prefix_caching=caching, kernels=kernels)
 
@@ -103,10 +102,16 @@ def test_hit_is_bit_identical_to_miss(model, kind: str, layout: str) -> None:
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
 
-def gib(cfg, pages: int, device: bool = False) -> float:
-    """GiB of `pages` pages of the host pool (device: of resident device pages)."""
+def gib(cfg, pages: int) -> float:
+    """GiB of `pages` pages of the host pool."""
     probe = HiSparseKV(cfg, "fp8_ds_mla", host_pool_gib=0.001, page_tokens=PAGE)
-    return pages * (probe.page_bytes if device else probe.pool.page_bytes) / (1 << 30)
+    return pages * probe.pool.page_bytes / (1 << 30)
+
+
+def gib_for(cfg, slots: int, pages: int, layout: str = "fp8_ds_mla") -> float:
+    """device_kv_gib of `slots` working sets (4: the engines' max_num_seqs) and `pages` resident pages beside them."""
+    return HiSparseKV(cfg, layout, host_pool_gib=0.001, hot_buffer_tokens=16, resident_window=8,
+                      page_tokens=PAGE).budget_gib(slots, pages)
 
 
 def engine(model, kv, seqs: int = 4) -> Engine:
@@ -163,7 +168,7 @@ def test_eviction_under_pool_pressure_keeps_running_requests(model) -> None:
 
     def small(caching: bool) -> HiSparseKV:
         return HiSparseKV(cfg, "fp8_ds_mla", host_pool_gib=gib(cfg, 14), hot_buffer_tokens=16,
-                          resident_window=8, page_tokens=PAGE, device_kv_gib=gib(cfg, 4, device=True),
+                          resident_window=8, page_tokens=PAGE, device_kv_gib=gib_for(cfg, 4, 4),
                           prefix_caching=caching)
     kv = small(True)
     got = run_waves(model, kv, waves)
@@ -214,7 +219,7 @@ def dcp_waves(model, kv, hooks=None) -> list[list[int]]:
 def dcp_store(model, group=None, interleave: int = 1, caching: bool = True):
     """The serving store (hybrid, three resident pages), as DCP rank `group.rank`'s shard (None: one rank)."""
     kv = KVSettings(host_pool_gib=DCP_POOL_GIB, hot_buffer_tokens=16, resident_window=8, page_tokens=PAGE,
-                    device_kv_gib=gib(model.cfg, 3, device=True), enable_prefix_caching=caching).build(model.cfg)
+                    device_kv_gib=gib_for(model.cfg, 4, 3), enable_prefix_caching=caching).build(model.cfg)
     return kv if group is None else ShardedKV(kv, DCPContext(group, interleave))
 
 

@@ -14,7 +14,6 @@ from hisparse.engine.generate import greedy_generate
 from hisparse.kv.settings import KVSettings, KVSettingsError
 from hisparse.kv.hisparse_kv import HiSparseKV
 from hisparse.core import triton_support
-from hisparse.kv.geometry import row_layout
 from hisparse.kv.resident import ResidentKV
 from hisparse.model.tiny import random_model
 from hisparse.core.config import preset_params
@@ -65,11 +64,10 @@ def test_hybrid_triton_equals_torch(model, dtype: torch.dtype, seed: int) -> Non
     attention no farther from an fp64 store's than the torch path's)."""
     prompt = torch.randint(0, model.cfg.vocab_size, (90,), generator=torch.Generator().manual_seed(seed)).tolist()
     model = model if dtype == torch.float32 else random_model(preset_params("tiny"), seed=seed % 10_000).to(DEV, dtype)
-    page_bytes = len(model.cfg.kv_source_layers) * 16 * row_layout(model.cfg, "fp8_ds_mla").row_bytes
-    store = lambda kernels, dtype: HiSparseKV(model.cfg, "fp8_ds_mla", DEV, dtype,  # noqa: E731
-                                              host_pool_gib=0.002, hot_buffer_tokens=10, resident_window=6,
-                                              page_tokens=16, kernels=kernels,
-                                              device_kv_gib=3 * page_bytes / (1 << 30))
+    geometry = dict(host_pool_gib=0.002, hot_buffer_tokens=10, resident_window=6, page_tokens=16)
+    gib = HiSparseKV(model.cfg, "fp8_ds_mla", **geometry).budget_gib(1, 3)     # one request's working set
+    store = lambda kernels, dtype: HiSparseKV(model.cfg, "fp8_ds_mla", DEV, dtype, kernels=kernels,  # noqa: E731
+                                              device_kv_gib=gib, **geometry)
     kvs = {k: store(k, dtype) for k in ("torch", "triton")}
     exact = store("torch", torch.float64) if dtype != torch.float32 else None
     lockstep = LockstepKV(kvs["torch"], kvs["triton"], exact=exact)

@@ -1,7 +1,8 @@
 """Decode miss rate vs device budget under hybrid offload, with the passkey answers of the all-resident store.
 
-For each haystack length and each budget (a fraction of one request's pages kept resident: 1.0 = nothing
-spilled, 0.0 = `--kv-offload hisparse`, everything through the hot buffers), the same passkey prompts are
+For each haystack length and each budget (`--device-kv-gib` = one request's working set plus a fraction of its
+pages as resident pages: 1.0 = nothing spilled, 0.0 = `--kv-offload hisparse`, everything through the hot buffers),
+the same passkey prompts are
 prefilled and greedy-decoded through needle-ml4 in process; per cell: the decode lookups' miss rate (misses /
 (resident hits + hits + misses), decode steps only), and whether every answer equals the all-resident store's.
 Writes JSON and a PNG.
@@ -24,7 +25,7 @@ from tqdm import tqdm
 
 from hisparse.engine.generate import prefill
 from hisparse.core.batch import Segment
-from hisparse.kv.geometry import row_layout
+from hisparse.kv.hisparse_kv import HiSparseKV
 from hisparse.kv.settings import KVSettings
 from hisparse.model.tokenizer import load_tokenizer
 from hisparse.model.weights import load_model
@@ -52,12 +53,11 @@ def decode(model, kv, ids: list[int], eos: int) -> tuple[list[int], dict[str, in
         kv.release(0)
 
 
-def settings_for(fraction: float, pages: int, page_bytes: int) -> KVSettings:
-    """The store of a budget cell: `fraction` of a request's `pages` as resident pages (0: always offload)."""
+def settings_for(fraction: float, pages: int, probe: HiSparseKV) -> KVSettings:
+    """The store of a budget cell: one request's working set and `fraction` of its `pages` as resident pages
+    (0: always offload)."""
     n = round(fraction * pages)
-    if n == 0:
-        return KVSettings(offload="hisparse", host_pool_gib=1.0)
-    return KVSettings(offload="hybrid", host_pool_gib=1.0, device_kv_gib=n * page_bytes / (1 << 30))
+    return KVSettings(offload="hybrid" if n else "hisparse", host_pool_gib=1.0, device_kv_gib=probe.budget_gib(1, n))
 
 
 def main() -> None:
@@ -75,7 +75,7 @@ def main() -> None:
     model = load_model(Path(args.model))
     tok = load_tokenizer(Path(args.model)).instruct_tokenizer.tokenizer
     P = KVSettings().page_tokens
-    page_bytes = len(model.cfg.kv_source_layers) * P * row_layout(model.cfg, KVSettings().layout).row_bytes
+    probe = KVSettings(host_pool_gib=0.001).build(model.cfg)     # the default geometry's working set and pages
     lengths = [int(x) for x in args.lengths.split(",")]
     fractions = [float(x) for x in args.fractions.split(",")]
     depths = [float(x) / 100 for x in args.depths.split(",")]
@@ -93,14 +93,16 @@ def main() -> None:
             counts, same, found = dict.fromkeys(COUNTS, 0), 0, 0
             for (ids, value), want in zip(prompts, ref):
                 pages = -(-(len(ids) + MAX_TOKENS) // P)
-                got, c = decode(model, settings_for(f, pages, page_bytes).attach(model), ids, tok.eos_id)
+                settings = settings_for(f, pages, probe)
+                got, c = decode(model, settings.attach(model), ids, tok.eos_id)
                 counts = {k: counts[k] + c[k] for k in COUNTS}
                 same += got == want
                 found += tok.decode(got).strip().rstrip(".").strip() == value
                 bar.update()
             lookups = sum(counts.values())
             cells.append({"chars": chars, "tokens": sum(len(i) for i, _ in prompts) // len(prompts),
-                          "resident_fraction": f, "decode_lookups": counts,
+                          "resident_fraction": f, "device_kv_gib_last_prompt": settings.device_kv_gib,
+                          "decode_lookups": counts,
                           "decode_miss_rate": counts["misses"] / lookups if lookups else 0.0,
                           "answers_identical": same, "found": found, "n": len(prompts)})
             bar.set_postfix(chars=chars, fraction=f, miss=f"{cells[-1]['decode_miss_rate']:.2f}")
@@ -110,7 +112,7 @@ def main() -> None:
     result = {"benchmark": "hybrid decode miss rate vs device budget", "model": args.model,
               "command": "python -m benchmarks.needle.hybrid_budget " + " ".join(
                   f"--{k} {v}" for k, v in vars(args).items() if v is not None and k != "threads"),
-              "page_tokens": P, "page_bytes": page_bytes, "wall_s": round(time.time() - t0, 1), "cells": cells,
+              "page_tokens": P, "page_bytes": probe.page_bytes, "working_set_bytes": probe.working_set_bytes(), "wall_s": round(time.time() - t0, 1), "cells": cells,
               "all_answers_identical": all(c["answers_identical"] == c["n"] for c in cells)}
     (out / "hybrid_budget.json").write_text(json.dumps(result, indent=2))
     plot(cells, out / "hybrid_budget.png")

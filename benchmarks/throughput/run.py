@@ -7,9 +7,10 @@ token); with HiSparse, the same indexer keys plus its working set on the device 
 measured from `HiSparseKV.device_bytes` while it runs). `none` therefore admits B / (its bytes) requests at once
 (ResidentKV's token budget; the rest wait in the queue) and HiSparse B / (its bytes) (max_num_seqs). A third
 engine, `none_unlimited`, runs all-resident with no budget at HiSparse's concurrency: the compute ceiling of the
-batch HiSparse admits, so hisparse / none_unlimited is the cost of offloading at an equal batch. `hybrid` admits
-as many requests as `hisparse` and gives what its running requests' working sets leave of B to resident pages
-(`--device-kv-gib`): one request keeps all its rows on the device, a saturated batch spills most of them.
+batch HiSparse admits, so hisparse / none_unlimited is the cost of offloading at an equal batch. `hisparse` and
+`hybrid` get the same `--device-kv-gib`: B less the indexer keys of the requests HiSparse admits (the flag covers
+latent rows: working sets, and hybrid's resident pages in what they leave), so hybrid admits as many requests as
+hisparse; one request keeps all its rows on the device, a saturated batch spills most of them.
 
 At each concurrency C the engine gets C long prompts; once every admitted request has prefilled, `--decode-steps`
 pure decode steps are timed: decode tokens/s = generated tokens / their wall time. Writes JSON and a PNG.
@@ -139,8 +140,8 @@ def main() -> None:
     settings = dataclasses.replace(KVSettings.from_args(args),
                                    host_pool_gib=max(1.0, 2 * max(conc) * length * latent_tok / 2**30))
 
-    def hisparse_kv():
-        return dataclasses.replace(settings, offload="hisparse").build(cfg, args.device)
+    def offloading_kv(offload: str) -> LatentKV:
+        return dataclasses.replace(settings, offload=offload).build(cfg, args.device)
 
     graph_mode = graphs_wanted(args.cuda_graph, args.device, settings.kernel_path(args.device))
     pieces = DecodeGraphs(model, max(conc), capture=True) if graph_mode == "piecewise" else None
@@ -150,15 +151,21 @@ def main() -> None:
         return FullGraphs(model, kv, max(1, seqs), capture=True) if graph_mode == "full" else pieces
 
     # HiSparse device bytes per request, measured on one running request
-    kv = hisparse_kv()
+    kv = offloading_kv("hisparse")
     eng = Engine(model, kv, SchedulerConfig(max_num_seqs=1, **sched))
     seen = {}
     measure(eng, prompts[:1], params, args.warmup, 1,
             lambda: seen.update(kv.device_bytes(eng.scheduler.running[0].id)))
     hs_req = seen["latent"] + seen.get("hot_metadata", 0) + length * index_tok
     limits = {"none": budget // none_req, "hisparse": budget // hs_req}
-    print(f"device budget {budget / 2**20:.1f} MiB: none {none_req / 2**20:.2f} MiB/request -> {limits['none']} "
-          f"requests; hisparse {hs_req / 2**20:.2f} MiB/request -> {limits['hisparse']} requests", flush=True)
+    # one --device-kv-gib for both offloading engines: B less the admitted requests' indexer keys (plus the full
+    # graphs' padding slot, as the all-resident store's budget holds their padding page)
+    ws = hs_req - length * index_tok
+    kv_bytes = budget - limits["hisparse"] * length * index_tok + (ws if graph_mode == "full" else 0)
+    settings = dataclasses.replace(settings, device_kv_gib=kv_bytes / 2**30)
+    print(f"device budget {budget / 2**20:.1f} MiB (--device-kv-gib {kv_bytes / 2**20:.1f} MiB): none "
+          f"{none_req / 2**20:.2f} MiB/request -> {limits['none']} requests; hisparse {hs_req / 2**20:.2f} "
+          f"MiB/request -> {limits['hisparse']} requests", flush=True)
 
     rows = []
     page = settings.page_tokens
@@ -168,13 +175,9 @@ def main() -> None:
                 kv = ResidentKV(cfg, settings.layout, args.device, page_tokens=page,
                                 budget_tokens=limits["none"] * -(-length // page) * page + pad)
                 seqs = c
-            elif mode == "hisparse":
-                kv = hisparse_kv()
+            elif mode in ("hisparse", "hybrid"):    # hybrid: the working sets first, resident pages get the rest
+                kv = offloading_kv(mode)
                 seqs = min(c, limits["hisparse"])
-            elif mode == "hybrid":    # the working sets of its requests first, resident pages get the rest
-                seqs = min(c, limits["hisparse"])
-                pages = max(budget - seqs * hs_req, 1) / 2**30
-                kv = dataclasses.replace(settings, offload="hybrid", device_kv_gib=pages).build(cfg, args.device)
             else:
                 kv = ResidentKV(cfg, settings.layout, args.device, page_tokens=page)
                 seqs = min(c, limits["hisparse"])
@@ -188,20 +191,18 @@ def main() -> None:
                   f"{r['timed_decode']['misses']})", flush=True)
 
     one = SchedulerConfig(max_num_seqs=1, **sched)
-    hybrid_one = dataclasses.replace(settings, offload="hybrid", device_kv_gib=(budget - hs_req) / 2**30)
     alternating = alternating_step_ratio(
         {"none": Engine(model, ResidentKV(cfg, settings.layout, args.device, page_tokens=page), one),
-         "hisparse": Engine(model, hisparse_kv(), one),
-         "hybrid": Engine(model, hybrid_one.build(cfg, args.device), one)},
+         "hisparse": Engine(model, offloading_kv("hisparse"), one),
+         "hybrid": Engine(model, offloading_kv("hybrid"), one)},
         prompts[:1], params, 4 * args.decode_steps)
     print("one request, interleaved steps (median ms): " + ", ".join(f"{k} {v:.2f}" for k, v in alternating.items()),
           flush=True)
     # at saturation: both admit limits["hisparse"] of the max(conc) requests; hybrid's pages get what is left
-    full = SchedulerConfig(max_num_seqs=limits["hisparse"], **sched)
     seqs = limits["hisparse"]
-    hybrid_full = dataclasses.replace(settings, offload="hybrid", device_kv_gib=max(budget - seqs * hs_req, 1) / 2**30)
-    saturated = alternating_step_ratio({"hisparse": Engine(model, hisparse_kv(), full),
-                                        "hybrid": Engine(model, hybrid_full.build(cfg, args.device), full)},
+    full = SchedulerConfig(max_num_seqs=seqs, **sched)
+    saturated = alternating_step_ratio({"hisparse": Engine(model, offloading_kv("hisparse"), full),
+                                        "hybrid": Engine(model, offloading_kv("hybrid"), full)},
                                        prompts, params, 2 * args.decode_steps)
     print(f"{seqs} requests, interleaved steps (median ms): " +
           ", ".join(f"{k} {v:.2f}" for k, v in saturated.items()), flush=True)
@@ -210,7 +211,9 @@ def main() -> None:
         "prompt_len": args.prompt_len, "kv_layout": args.kv_layout, "device": args.device,
         "machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
         "cuda_graphs": graph_mode,
-        "device_budget_bytes": budget, "bytes_per_request": {"none": none_req, "hisparse": hs_req},
+        "device_budget_bytes": budget, "device_kv_gib": settings.device_kv_gib,
+        "working_sets_in_device_kv_gib": kv_bytes // ws,
+        "bytes_per_request": {"none": none_req, "hisparse": hs_req},
         "hisparse_device_bytes_measured": seen, "max_concurrent": limits, "rows": rows,
         "one_request_interleaved_step_ms": alternating,
         "hybrid_over_none_step_c1_interleaved": alternating["hybrid"] / alternating["none"],

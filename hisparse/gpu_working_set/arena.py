@@ -63,20 +63,36 @@ class DeviceArena:
                 + [(self.hot_base[l], self.n_slots, self.slots) for l in self.layers]
                 + [(self.win_base[l], self.win_rows, self.slots) for l in self.owners])
 
-    def fit(self, slots: int, step_rows: int, page_rows: int = 0) -> None:
-        """Room for `slots` request slots, `step_rows` new rows per step and `page_rows` resident-page rows per KV
-        owner (slots and step rows grow by doubling, page rows exactly; contents kept). Called between steps only:
-        the layer loop never reallocates."""
-        if slots <= self.slots and step_rows <= self.step_cap and page_rows <= self.page_rows:
+    def fit(self, slots: int, step_rows: int, page_rows: int | None = None, exact: bool = False) -> None:
+        """Room for `slots` request slots and `step_rows` new rows per step (grown by doubling, or to `slots`
+        exactly when `exact`: a budgeted store, whose pages get what slots leave), and `page_rows` resident-page
+        rows per KV owner (exactly: the page region grows and shrinks; None keeps it); contents kept (a shrunk page
+        region keeps its first rows). Called between steps only: the layer loop never reallocates."""
+        page_rows = self.page_rows if page_rows is None else page_rows
+        if slots <= self.slots and step_rows <= self.step_cap and page_rows == self.page_rows:
             return
         old, old_regions = self.data, self.regions()
-        self.slots = max(self.slots, slots, 2 * self.slots if slots > self.slots else 0)
+        if slots > self.slots:
+            self.slots = slots if exact else max(slots, 2 * self.slots)
         self.step_cap = max(self.step_cap, step_rows, 2 * self.step_cap if step_rows > self.step_cap else 0)
-        self.page_rows = max(self.page_rows, page_rows)
+        self.page_rows = page_rows
         self._layout()
         self.data = torch.zeros(self.n_rows, self.row_bytes, dtype=torch.uint8, device=self.device)
-        for (ob, per, n), (nb, _, _) in zip(old_regions, self.regions()):
-            self.data[nb: nb + per * n] = old[ob: ob + per * n]
+        for (ob, per, n), (nb, new_per, new_n) in zip(old_regions, self.regions()):
+            k = min(per * n, new_per * new_n)
+            self.data[nb: nb + k] = old[ob: ob + k]
+
+    def move_pages(self, moves: list[tuple[int, int]], page_tokens: int) -> None:
+        """Copy the rows of device pages `moves` (from, to) within every KV owner's page region (before the
+        region shrinks below `from`)."""
+        if not moves:
+            return
+        within = torch.arange(page_tokens)
+        src = torch.cat([f * page_tokens + within for f, _ in moves])
+        dst = torch.cat([t * page_tokens + within for _, t in moves])
+        base = torch.tensor([self.page_base[o] for o in self.owners])[:, None]
+        src, dst = (base + src).flatten().to(self.device), (base + dst).flatten().to(self.device)
+        self.data.index_copy_(0, dst, torch.index_select(self.data, 0, src))
 
     def gather(self, idx: torch.Tensor) -> torch.Tensor:
         """Rows [*idx.shape, row_bytes] at arena rows idx."""

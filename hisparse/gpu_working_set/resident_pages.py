@@ -18,11 +18,12 @@ HOST_ONLY = -1
 
 
 class ResidentPages:
-    """Up to `n_pages` device pages (the budget); `allocated` of them exist (the page region grows on demand, by
-    doubling, up to the budget). The device map covers the host pages handed out so far (`fit`)."""
+    """Up to `cap` device pages (what the budget leaves beside the working sets, at most `n_pages`); `allocated`
+    of them exist (the page region grows on demand, by doubling, up to `cap`; `limit` lowers it). The device map
+    covers the host pages handed out so far (`fit`)."""
 
     def __init__(self, n_pages: int, device: torch.device):
-        self.n_pages, self.device, self.allocated = n_pages, device, 0
+        self.n_pages, self.device, self.allocated, self.cap = n_pages, device, 0, n_pages
         self.free: list[int] = []                                    # stack: the lowest id first
         self.dev_of: dict[int, int] = {}                             # host page -> device page
         self.host_of: dict[int, int] = {}                            # device page -> host page
@@ -49,7 +50,7 @@ class ResidentPages:
     def grow(self, want: int) -> bool:
         """Allocate device pages towards `want` in all (at least double, at most the budget); whether the
         count changed (the caller grows the page region to `allocated` pages)."""
-        new = min(self.n_pages, max(want, 2 * self.allocated))
+        new = min(self.cap, max(want, 2 * self.allocated))
         if new <= self.allocated:
             return False
         self.free = list(range(new - 1, self.allocated - 1, -1)) + self.free
@@ -63,6 +64,29 @@ class ResidentPages:
             if not self.free and not (spill and self.spill_coldest(keep)):
                 return
             self.map(h, self.free.pop())
+
+    def limit(self, cap: int) -> list[tuple[int, int]]:
+        """Lower the page count to `cap` (the budget's room for pages now): spill the coldest resident pages the
+        lower ids cannot hold, move the others above `cap` to free pages below it (their stamps kept); the
+        (from, to) device pages whose rows the caller copies before the page region shrinks. Reads the stamps from
+        the device: only when working sets grow (between steps)."""
+        self.cap = cap = min(cap, self.n_pages)
+        if self.allocated <= cap:
+            return []
+        stamps = self.stamp[: self.allocated].tolist()
+        for _, d in sorted((stamps[d], d) for d in self.host_of)[: max(0, self.resident - cap)]:
+            self.unmap(self.host_of[d])
+            self.spilled_pages += 1
+        low = sorted((d for d in self.free if d < cap), reverse=True)
+        moves = [(d, low.pop()) for d in sorted(self.host_of) if d >= cap]
+        for d, to in moves:
+            h = self.host_of[d]
+            self.unmap(h)
+            self.map(h, to)
+            self.restamp[to] = stamps[d]
+        self.free = sorted((d for d in self.free if d < cap and d not in self.host_of), reverse=True)   # lowest last
+        self.allocated = cap
+        return moves
 
     def spill_coldest(self, keep: set[int]) -> bool:
         """Spill the least recently selected resident page not in `keep` (ties: the lowest device page). Reads

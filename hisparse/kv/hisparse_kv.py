@@ -11,8 +11,9 @@ followers' copies overlap the owner's attention. A gather is then one index into
 (`stored_rows`). Rows are the same bytes ResidentKV stores, so outputs are bit-identical with HiSparse on and off
 (on either kernel path).
 
-Hybrid offload (`device_kv_gib`): the arena also holds resident pages, device copies of host-pool pages kept
-while there is room (`hybrid.HybridPages`).
+Device memory (`device_kv_gib`, `device_budget.DeviceBudget`): one budget for every request's working set and,
+under hybrid offload, resident pages in what the working sets leave: device copies of host-pool pages kept while
+there is room (`hybrid.HybridPages`).
 
 A static step (full-step CUDA graphs: `begin_step` with static inputs) runs the same calls with shapes fixed by
 the step's shape and no host read: the resolver of `static_plan`, counters on the device, window bounds and LRU
@@ -33,6 +34,7 @@ from ..core.batch import PAD
 from ..core.step_inputs import StepInputs
 from .geometry import row_layout
 from .base import LatentKV, RowSource
+from .device_budget import DeviceBudget
 from .hybrid import HybridPages
 from ..gpu_working_set.arena import DeviceArena
 from ..gpu_working_set.copier import Copier
@@ -48,12 +50,15 @@ DEFAULT_SINKS = 4
 STATS_EVERY = 16   # static steps: the device counters are read once per this many steps
 
 
-class HiSparseKV(HybridPages, LatentKV):
+class HiSparseKV(DeviceBudget, HybridPages, LatentKV):
     def __init__(self, cfg: ModelConfig, layout: str = "fp8_ds_mla", device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, host_pool_gib: float = 4.0,
                  hot_buffer_tokens: int | None = None, resident_window: int | None = None,
                  sink_tokens: int = DEFAULT_SINKS, page_tokens: int = 64, kernels: str = "torch",
-                 index_cache: str = "fp32", device_kv_gib: float | None = None, prefix_caching: bool = False):
+                 index_cache: str = "fp32", device_kv_gib: float | None = None, hybrid: bool = True,
+                 prefix_caching: bool = False):
+        """device_kv_gib: the device budget of working sets and (`hybrid`) resident pages (None: unbounded working
+        sets, no resident pages)."""
         if layout is None:
             raise ValueError("kv_layout: HiSparse stores packed rows; choose 'fp8_ds_mla' or 'bf16'")
         n_slots = hot_buffer_tokens if hot_buffer_tokens is not None else 2 * cfg.index_topk
@@ -66,8 +71,9 @@ class HiSparseKV(HybridPages, LatentKV):
         self.copier = Copier(self.device)
         self.members = {o: [l.index for l in cfg.layers if l.index_source == o] for o in cfg.index_owner_layers}
         self.page_bytes = page_bytes = len(cfg.kv_source_layers) * page_tokens * self.layout.row_bytes
-        n_pages = 0 if device_kv_gib is None else int(device_kv_gib * (1 << 30)) // page_bytes
-        # hybrid: resident pages (None: every row outside the window comes from the host pool)
+        self.budget = None if device_kv_gib is None else int(device_kv_gib * (1 << 30))
+        # hybrid: resident pages, at most the budget's worth (None: every row outside the window from the host pool)
+        n_pages = 0 if self.budget is None or not hybrid else self.budget // page_bytes
         self.resident = ResidentPages(n_pages, self.device) if n_pages else None
         self.placed: dict[Hashable, int] = {}   # request -> how many of its pages were offered a device page
         self.page_count: dict[Hashable, tuple[int, int, int]] = {}   # request -> (map version, pages, resident)
@@ -85,6 +91,7 @@ class HiSparseKV(HybridPages, LatentKV):
         self.arena = DeviceArena({l.index: l.kv_source for l in cfg.layers}, n_slots, window, sink_tokens,
                                  self.layout.row_bytes, self.device)
         self.hot = {g: HotSlots(n_slots, self.device) for g in cfg.index_owner_layers}
+        self.check_budget()
         self.slot_of: dict[Hashable, int] = {}       # request -> its slot in the arena and the hot metadata
         self.free_slots: list[int] = []
         self.win_lo = torch.zeros(0, dtype=torch.long, device=self.device)    # [R] resident window [lo, len)
@@ -424,43 +431,3 @@ class HiSparseKV(HybridPages, LatentKV):
         if req not in self.slot_of:
             self.slot_of[req] = self.free_slots.pop() if self.free_slots else len(self.slot_of)
         return self.slot_of[req]
-
-    def fit_slots(self, slots: int, step_rows: int) -> None:
-        """Room for `slots` request slots and `step_rows` new rows per step in the arena and the slot metadata."""
-        self.arena.fit(slots, step_rows)
-        for h in self.hot.values():
-            h.fit(self.arena.slots)
-        if self.win_len.numel() < self.arena.slots:
-            grow = self.arena.slots - self.win_len.numel()
-            self.win_lo = torch.cat((self.win_lo, self.win_lo.new_zeros(grow)))
-            self.win_len = torch.cat((self.win_len, self.win_len.new_zeros(grow)))
-
-    def reserve_device(self, max_seqs: int, max_tokens: int, step_rows: int) -> None:
-        super().reserve_device(max_seqs, max_tokens, step_rows)
-        self.fit_slots(max_seqs, step_rows)
-        if self.resident is not None:
-            self.resident.fit(max_seqs * self.pages_for(max_tokens))
-
-    def device_nbytes(self) -> int:
-        # resident pages count at their budget: the page region grows on demand up to it while serving
-        pages = 0 if self.resident is None else (self.resident.slot_of.nbytes + self.resident.stamp.nbytes
-                                                 + self.resident.n_pages * self.page_bytes - self.arena.page_bytes())
-        return (super().device_nbytes() + self.arena.data.nbytes + self.win_lo.nbytes + self.win_len.nbytes + pages
-                + sum(h.pos.nbytes + h.stamp.nbytes for h in self.hot.values()))
-
-    # ---- observability ----
-    def device_bytes(self, req: Hashable) -> dict[str, int]:
-        """Device memory one request holds, by part (latent = window + hot slots; the rest is metadata)."""
-        held = req in self.slot_of
-        resident = self.resident_pages_of(req) * self.page_bytes
-        return {"latent": self.arena.slot_bytes() if held else 0, "resident_pages": resident,
-                "hot_metadata": self.slot_metadata_bytes() if held else 0,
-                "index_keys": self.index_cache_bytes(req)}
-
-    def slot_metadata_bytes(self) -> int:
-        """Device bytes of one request slot's LRU metadata (positions and stamps of its hot slots, every group)."""
-        return sum(h.nbytes_per_slot() for h in self.hot.values())
-
-    def working_set_bytes(self) -> int:
-        """Device bytes one request's working set holds whatever its length: its arena slot and LRU metadata."""
-        return self.arena.slot_bytes() + self.slot_metadata_bytes()

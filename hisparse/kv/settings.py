@@ -79,9 +79,13 @@ class KVSettings:
                                            # 'none': all rows resident on the device (reference)
     layout: str = "fp8_ds_mla"             # stored row format (hisparse.host_pool.layout.LAYOUTS)
     host_pool_gib: float = 4.0             # host memory for latent rows (offload 'hybrid' and 'hisparse')
-    device_kv_gib: float = 4.0             # device memory for resident pages (offload 'hybrid'; the windows and
-                                           # hot slots of each request come on top)
-    hot_buffer_tokens: int | None = None   # hot slots per (index group, request); None: 2 x index_topk
+    device_kv_gib: float = 4.0             # device memory for latent rows (offload 'hybrid' and 'hisparse'):
+                                           # every running request's working set (window + hot slots; a request
+                                           # waits while its own does not fit) and, hybrid, resident pages in the
+                                           # rest (kv.device_budget)
+    hot_buffer_tokens: int | None = None   # hot slots per (index group, request): the floor every request gets
+                                           # (hybrid spends the rest of the budget on resident pages); None:
+                                           # 2 x index_topk
     resident_window: int | None = None     # newest tokens per request kept on the device; None: 64
     page_tokens: int = 64                  # tokens per page: the allocation unit of the host pool (or of the
                                            # device store with offload 'none')
@@ -157,7 +161,7 @@ class KVSettings:
                           hot_buffer_tokens=self.hot_buffer(cfg), resident_window=self.window,
                           sink_tokens=DEFAULT_SINKS, page_tokens=self.page_tokens, kernels=kernels,
                           index_cache=self.index_cache,
-                          device_kv_gib=self.device_kv_gib if self.offload == "hybrid" else None,
+                          device_kv_gib=self.device_kv_gib, hybrid=self.offload == "hybrid",
                           prefix_caching=self.enable_prefix_caching)
 
     # ---- sources ----
@@ -172,9 +176,13 @@ class KVSettings:
                                                    "(default: %(default)s)"),
             "layout": dict(choices=LAYOUTS, help="stored row format (default: %(default)s)"),
             "host_pool_gib": dict(type=float, help="GiB of host memory for latent rows (default: %(default)s)"),
-            "device_kv_gib": dict(type=float, help="GiB of device memory for resident pages with --kv-offload "
-                                                   "hybrid (default: %(default)s)"),
-            "hot_buffer_tokens": dict(type=int, help="hot slots per request (default: 2 x the model's index_topk)"),
+            "device_kv_gib": dict(type=float, help="GiB of device memory for latent rows with --kv-offload hybrid "
+                                                   "or hisparse: every running request's working set (resident "
+                                                   "window + hot slots; a request waits while its own does not fit) "
+                                                   "and, with hybrid, resident pages in the rest "
+                                                   "(default: %(default)s)"),
+            "hot_buffer_tokens": dict(type=int, help="hot slots per request and index group, the floor every request "
+                                                     "gets (default: 2 x the model's index_topk)"),
             "resident_window": dict(type=int, help="newest tokens kept on the device "
                                                    f"(default: {DEFAULT_WINDOW})"),
             "page_tokens": dict(type=int, help="tokens per page of the host pool (of the device store with "
