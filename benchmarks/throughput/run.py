@@ -8,7 +8,7 @@ measured from `HiSparseKV.device_bytes` while it runs). `none` therefore admits 
 (ResidentKV's token budget; the rest wait in the queue) and HiSparse B / (its bytes) (max_num_seqs). A third
 engine, `none_unlimited`, runs all-resident with no budget at HiSparse's concurrency: the compute ceiling of the
 batch HiSparse admits, so hisparse / none_unlimited is the cost of offloading at an equal batch. `hisparse` and
-`hybrid` get the same `--device-kv-gib`: B less the indexer keys of the requests HiSparse admits (the flag covers
+`hybrid` running n requests get the same `--device-kv-gib`: B less those requests' indexer keys (the flag covers
 latent rows: working sets, and hybrid's resident pages in what they leave), so hybrid admits as many requests as
 hisparse; one request keeps all its rows on the device, a saturated batch spills most of them.
 
@@ -80,9 +80,9 @@ def measure(engine: Engine, prompts: list[list[int]], params: SamplingParams, wa
             "step_ms": 1000 * dt / steps, "prefill_s": prefill_s, "timed_decode": timed}
 
 
-def alternating_step_ratio(engines: dict[str, Engine], prompts: list[list[int]], params: SamplingParams,
-                           steps: int) -> dict:
-    """Median decode step (ms) of each engine serving `prompts` (as many as it admits), their steps interleaved
+def alternating_steps(engines: dict[str, Engine], prompts: list[list[int]], params: SamplingParams,
+                      steps: int) -> dict[str, list[float]]:
+    """Decode step times (s) of each engine serving `prompts` (as many as it admits), their steps interleaved
     so that machine noise hits them alike (a sequential sweep on a shared CPU drifts by several percent between
     modes), the engines' order rotating every round (no engine always runs after the same other one)."""
     params = dataclasses.replace(params, max_tokens=steps + 8)     # no request ends inside the timed steps
@@ -98,7 +98,19 @@ def alternating_step_ratio(engines: dict[str, Engine], prompts: list[list[int]],
             t0 = time.perf_counter()
             engines[name].step()
             times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def median_ms(times: dict[str, list[float]]) -> dict[str, float]:
     return {name: 1000 * statistics.median(t) for name, t in times.items()}
+
+
+def paired(times: dict[str, list[float]], num: str, den: str) -> dict:
+    """Per-round ratios time[num] / time[den] of interleaved steps (den's tokens/s over num's at equal tokens per
+    step): their median and quartiles, and the share of rounds above 1."""
+    r = sorted(a / b for a, b in zip(times[num], times[den]))
+    q1, med, q3 = statistics.quantiles(r, n=4)
+    return {"median": med, "q1": q1, "q3": q3, "rounds": len(r), "share_above_1": sum(x > 1 for x in r) / len(r)}
 
 
 def main() -> None:
@@ -134,14 +146,22 @@ def main() -> None:
     prompts = [torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=g).tolist() for _ in range(max(conc))]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     # (room too for the interleaved comparisons' longer decodes)
-    sched = dict(max_model_len=args.prompt_len + max(max_tokens, 4 * args.decode_steps + 8),
+    sched = dict(max_model_len=args.prompt_len + max(max_tokens, 8 * args.decode_steps + 8),
                  max_num_batched_tokens=max(args.chunk, max(conc)))
 
     settings = dataclasses.replace(KVSettings.from_args(args),
                                    host_pool_gib=max(1.0, 2 * max(conc) * length * latent_tok / 2**30))
 
-    def offloading_kv(offload: str) -> LatentKV:
-        return dataclasses.replace(settings, offload=offload).build(cfg, args.device)
+    def kv_gib(seqs: int) -> float:
+        """--device-kv-gib of an offloading engine running `seqs` requests: what B leaves beside their indexer keys
+        (the flag covers latent rows), plus the full graphs' padding slot; the default before `seen` is measured."""
+        if not seen:
+            return settings.device_kv_gib
+        pad_ws = seen["latent"] + seen["hot_metadata"] if graph_mode == "full" else 0
+        return (budget - seqs * length * index_tok + pad_ws) / 2**30
+
+    def offloading_kv(offload: str, seqs: int = 1) -> LatentKV:
+        return dataclasses.replace(settings, offload=offload, device_kv_gib=kv_gib(seqs)).build(cfg, args.device)
 
     graph_mode = graphs_wanted(args.cuda_graph, args.device, settings.kernel_path(args.device))
     pieces = DecodeGraphs(model, max(conc), capture=True) if graph_mode == "piecewise" else None
@@ -151,21 +171,15 @@ def main() -> None:
         return FullGraphs(model, kv, max(1, seqs), capture=True) if graph_mode == "full" else pieces
 
     # HiSparse device bytes per request, measured on one running request
+    seen: dict[str, int] = {}
     kv = offloading_kv("hisparse")
     eng = Engine(model, kv, SchedulerConfig(max_num_seqs=1, **sched))
-    seen = {}
     measure(eng, prompts[:1], params, args.warmup, 1,
             lambda: seen.update(kv.device_bytes(eng.scheduler.running[0].id)))
     hs_req = seen["latent"] + seen.get("hot_metadata", 0) + length * index_tok
     limits = {"none": budget // none_req, "hisparse": budget // hs_req}
-    # one --device-kv-gib for both offloading engines: B less the admitted requests' indexer keys (plus the full
-    # graphs' padding slot, as the all-resident store's budget holds their padding page)
-    ws = hs_req - length * index_tok
-    kv_bytes = budget - limits["hisparse"] * length * index_tok + (ws if graph_mode == "full" else 0)
-    settings = dataclasses.replace(settings, device_kv_gib=kv_bytes / 2**30)
-    print(f"device budget {budget / 2**20:.1f} MiB (--device-kv-gib {kv_bytes / 2**20:.1f} MiB): none "
-          f"{none_req / 2**20:.2f} MiB/request -> {limits['none']} requests; hisparse {hs_req / 2**20:.2f} "
-          f"MiB/request -> {limits['hisparse']} requests", flush=True)
+    print(f"device budget {budget / 2**20:.1f} MiB: none {none_req / 2**20:.2f} MiB/request -> {limits['none']} "
+          f"requests; hisparse {hs_req / 2**20:.2f} MiB/request -> {limits['hisparse']} requests", flush=True)
 
     rows = []
     page = settings.page_tokens
@@ -176,8 +190,8 @@ def main() -> None:
                                 budget_tokens=limits["none"] * -(-length // page) * page + pad)
                 seqs = c
             elif mode in ("hisparse", "hybrid"):    # hybrid: the working sets first, resident pages get the rest
-                kv = offloading_kv(mode)
                 seqs = min(c, limits["hisparse"])
+                kv = offloading_kv(mode, seqs)
             else:
                 kv = ResidentKV(cfg, settings.layout, args.device, page_tokens=page)
                 seqs = min(c, limits["hisparse"])
@@ -191,19 +205,20 @@ def main() -> None:
                   f"{r['timed_decode']['misses']})", flush=True)
 
     one = SchedulerConfig(max_num_seqs=1, **sched)
-    alternating = alternating_step_ratio(
+    alternating = median_ms(alternating_steps(
         {"none": Engine(model, ResidentKV(cfg, settings.layout, args.device, page_tokens=page), one),
          "hisparse": Engine(model, offloading_kv("hisparse"), one),
          "hybrid": Engine(model, offloading_kv("hybrid"), one)},
-        prompts[:1], params, 4 * args.decode_steps)
+        prompts[:1], params, 4 * args.decode_steps))
     print("one request, interleaved steps (median ms): " + ", ".join(f"{k} {v:.2f}" for k, v in alternating.items()),
           flush=True)
     # at saturation: both admit limits["hisparse"] of the max(conc) requests; hybrid's pages get what is left
     seqs = limits["hisparse"]
     full = SchedulerConfig(max_num_seqs=seqs, **sched)
-    saturated = alternating_step_ratio({"hisparse": Engine(model, offloading_kv("hisparse"), full),
-                                        "hybrid": Engine(model, offloading_kv("hybrid"), full)},
-                                       prompts, params, 2 * args.decode_steps)
+    sat_times = alternating_steps({"hisparse": Engine(model, offloading_kv("hisparse", seqs), full),
+                                   "hybrid": Engine(model, offloading_kv("hybrid", seqs), full)},
+                                  prompts, params, 8 * args.decode_steps)
+    saturated, sat_paired = median_ms(sat_times), paired(sat_times, "hisparse", "hybrid")
     print(f"{seqs} requests, interleaved steps (median ms): " +
           ", ".join(f"{k} {v:.2f}" for k, v in saturated.items()), flush=True)
     result = summarize({
@@ -211,15 +226,16 @@ def main() -> None:
         "prompt_len": args.prompt_len, "kv_layout": args.kv_layout, "device": args.device,
         "machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
         "cuda_graphs": graph_mode,
-        "device_budget_bytes": budget, "device_kv_gib": settings.device_kv_gib,
-        "working_sets_in_device_kv_gib": kv_bytes // ws,
+        "device_budget_bytes": budget,
+        "device_kv_gib": {"one_request": kv_gib(1), "saturated": kv_gib(seqs)},
         "bytes_per_request": {"none": none_req, "hisparse": hs_req},
         "hisparse_device_bytes_measured": seen, "max_concurrent": limits, "rows": rows,
         "one_request_interleaved_step_ms": alternating,
         "hybrid_over_none_step_c1_interleaved": alternating["hybrid"] / alternating["none"],
         "hisparse_over_none_step_c1_interleaved": alternating["hisparse"] / alternating["none"],
         "saturated_interleaved_step_ms": saturated,
-        "hybrid_over_hisparse_tokens_per_s_saturated_interleaved": saturated["hisparse"] / saturated["hybrid"]})
+        "hybrid_over_hisparse_tokens_per_s_saturated_interleaved": saturated["hisparse"] / saturated["hybrid"],
+        "hybrid_over_hisparse_saturated_paired_rounds": sat_paired})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "throughput.json").write_text(json.dumps(result, indent=2))
@@ -235,7 +251,8 @@ def main() -> None:
           f"{result['hisparse_over_none_step_c1_interleaved']:.3f}; {result['hybrid_misses_c1']} decode misses); "
           f"hybrid / hisparse decode tokens/s at C={result['ratio_at']}: {result['hybrid_over_hisparse']:.2f}x in the "
           f"sweep, {result['hybrid_over_hisparse_tokens_per_s_saturated_interleaved']:.3f}x interleaved "
-          f"({limits['hisparse']} requests each)")
+          f"({limits['hisparse']} requests each; per interleaved round: median {sat_paired['median']:.3f}, "
+          f"quartiles {sat_paired['q1']:.3f}-{sat_paired['q3']:.3f} over {sat_paired['rounds']} rounds)")
     print(f"wrote {out / 'throughput.json'}")
 
 

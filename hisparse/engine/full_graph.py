@@ -95,8 +95,9 @@ class FullGraphs:
         if kv.device.type == "cuda" and kv.kernels != "triton":
             raise ValueError("--cuda-graph full: needs --kernels triton on CUDA (the torch path copies misses "
                              "from the host)")
-        if not kv.reserve(PAD, max_rows_per_seg):
-            raise ValueError("--cuda-graph full: the KV cache has no room for the padding segments' page")
+        if not kv.reserve(PAD, max_rows_per_seg) or kv.max_working_sets() == 1:
+            raise ValueError("--cuda-graph full: the KV cache has no room for the padding segments' page and working "
+                             "set beside a request's")
         self.model, self.kv, self.capture = model, kv, capture
         self.buckets = bucket_sizes(max_segments)
         self.max_rows_per_seg = max_rows_per_seg

@@ -375,6 +375,10 @@ class LatentKV(ABC):
         """Device bytes one request holds whatever its length (HiSparse: its arena slot and LRU metadata)."""
         return 0
 
+    def max_working_sets(self) -> int | None:
+        """How many requests' working sets the device budget holds (None: unbounded)."""
+        return None
+
     def request_device_bytes(self, n_tokens: int) -> int:
         """Device bytes one request of n_tokens tokens holds: its indexer keys and working set (and, resident,
         its latent rows)."""

@@ -159,6 +159,9 @@ class ShardedKV(LatentKV):
     def can_ever_admit(self, n_tokens: int) -> bool:
         return self.inner.can_ever_admit(self.sharding.most_loaded(n_tokens))
 
+    def max_working_sets(self) -> int | None:
+        return self.inner.max_working_sets()
+
     def reserve(self, req: Hashable, n_tokens: int) -> bool:
         """Reserve the most loaded rank's share of n_tokens here; `reserved` keeps the global count."""
         if not self.inner.reserve(req, self.sharding.most_loaded(n_tokens)):
