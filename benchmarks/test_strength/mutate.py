@@ -1,0 +1,282 @@
+"""Mutation testing of chosen modules against their tests: each mutant is one small change to a module's source (a
+comparison, `+`/`-` or `and`/`or` swapped, a small int or a bool changed, a `not` dropped), found with `ast` and made
+by editing only that token's text in a copy of the tree (HEAD); the module's tests then run once with a fixed test
+seed. A mutant is killed when they fail or time out, survives when they pass, and is invalid (not counted) when it
+does not compile. Each has a stable id `module:line:col:operator`; results are appended to `<out>/mutants.jsonl`, so
+a run resumes where one stopped, and `<out>/mutation.json` holds the score per module and the survivors. Survivors
+listed in `equivalent.json` (id -> reason, kept by hand) count as equivalent and leave the score.
+
+    python -m benchmarks.test_strength.mutate [--modules resolver,scheduler] [--max-per-module 40] [--seed 0]
+        [--out benchmarks/results/test_strength] [--list] [--report-only]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import bisect
+import itertools
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from .planted import ROOT, tree_copy
+
+EQUIVALENT = Path(__file__).with_name("equivalent.json")
+
+MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "resolver": ("hisparse/gpu_working_set/resolver.py", ("tests/test_resolver.py", "tests/test_hisparse_kv.py")),
+    "static_plan": ("hisparse/gpu_working_set/static_plan.py", ("tests/test_full_graph.py",)),
+    "miss_path_wrapper": ("hisparse/gpu_working_set/kernels/miss_path_triton.py", ("tests/test_triton_miss_path.py",)),
+    "hisparse_kv": ("hisparse/kv/hisparse_kv.py",
+                    ("tests/test_hisparse_kv.py", "tests/test_hybrid.py", "tests/test_device_budget.py")),
+    "hybrid": ("hisparse/kv/hybrid.py", ("tests/test_hybrid.py", "tests/test_device_budget.py")),
+    "resident_pages": ("hisparse/gpu_working_set/resident_pages.py",
+                       ("tests/test_hybrid.py", "tests/test_device_budget.py")),
+    "scheduler": ("hisparse/engine/scheduler.py", ("tests/test_engine.py", "tests/test_preemption_victim.py")),
+    "sampling": ("hisparse/engine/sampling.py", ("tests/test_engine.py", "tests/test_sampling_processors.py")),
+    "speculative": ("hisparse/engine/speculative.py", ("tests/test_engine_speculative.py",)),
+    "spec_decode": ("hisparse/engine/spec_decode.py", ("tests/test_engine_speculative.py",)),
+    "dcp_combine": ("hisparse/parallel/context.py", ("tests/test_dcp.py",)),
+    "tp": ("hisparse/parallel/tp.py", ("tests/test_tp_vocab.py", "tests/test_tp.py")),
+    "pages": ("hisparse/host_pool/pages.py", ("tests/test_prefix_cache.py", "tests/test_hisparse_kv.py")),
+    "pool": ("hisparse/host_pool/pool.py", ("tests/test_pinned_pool.py", "tests/test_hisparse_kv.py")),
+    "detokenizer": ("hisparse/engine/detokenizer.py", ("tests/test_engine.py",)),
+}
+
+# Operator swaps: ast op type -> (regex for its token in the source, replacement text, operator name).
+CMP = {ast.Lt: (rb"<", "<=", "Lt->LtE"), ast.LtE: (rb"<=", "<", "LtE->Lt"), ast.Gt: (rb">", ">=", "Gt->GtE"),
+       ast.GtE: (rb">=", ">", "GtE->Gt"), ast.Eq: (rb"==", "!=", "Eq->NotEq"), ast.NotEq: (rb"!=", "==", "NotEq->Eq"),
+       ast.Is: (rb"\bis\b", "is not", "Is->IsNot"), ast.IsNot: (rb"\bis[ \t]+not\b", "is", "IsNot->Is"),
+       ast.In: (rb"\bin\b", "not in", "In->NotIn"), ast.NotIn: (rb"\bnot[ \t]+in\b", "in", "NotIn->In")}
+ARITH = {ast.Add: (rb"\+", "-", "Add->Sub"), ast.Sub: (rb"-", "+", "Sub->Add")}
+AUG = {ast.Add: (rb"\+=", "-=", "AugAdd->AugSub"), ast.Sub: (rb"-=", "+=", "AugSub->AugAdd")}
+BOOL = {ast.And: (rb"\band\b", "or", "and->or"), ast.Or: (rb"\bor\b", "and", "or->and")}
+
+
+@dataclass(frozen=True)
+class Mutant:
+    id: str
+    module: str
+    path: str
+    line: int
+    operator: str
+    original: str      # the source line before ...
+    mutated: str       # ... and after the change
+    source: bytes      # the whole mutated file
+
+
+def skipped_nodes(tree: ast.Module) -> set[int]:
+    """ids of the nodes never mutated: annotations, f-strings, raise statements, `__repr__` bodies and the bodies
+    of `if TYPE_CHECKING:` blocks (none of them change what the code computes)."""
+    roots: list[ast.AST] = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            roots += [node.returns] if node.name != "__repr__" else [node]
+        elif isinstance(node, (ast.arg, ast.AnnAssign)):
+            roots.append(node.annotation)
+        elif isinstance(node, (ast.JoinedStr, ast.Raise)):
+            roots.append(node)
+        elif isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            roots += node.body
+    return {id(n) for root in roots if root is not None for n in ast.walk(root)}
+
+
+def mutants_of(module: str, path: str) -> list[Mutant]:
+    """Every mutant of one module's source, in source order."""
+    src = (ROOT / path).read_bytes()
+    lines = src.splitlines(keepends=True)
+    starts = [0, *itertools.accumulate(map(len, lines))]    # byte offset of each line
+    start = lambda node: starts[node.lineno - 1] + node.col_offset      # noqa: E731  (col_offset counts bytes)
+    end = lambda node: starts[node.end_lineno - 1] + node.end_col_offset      # noqa: E731
+    edits: list[tuple[int, int, str, str]] = []     # (start, end, new text, operator)
+
+    def in_gap(a: int, b: int, swap: tuple[bytes, str, str]) -> None:
+        # The operator token between two operands (parentheses and whitespace around it); gaps with a comment
+        # or more than one match are left alone rather than guessed at.
+        found = list(re.finditer(swap[0], src[a:b]))
+        if b"#" not in src[a:b] and len(found) == 1:
+            edits.append((a + found[0].start(), a + found[0].end(), *swap[1:]))
+
+    tree = ast.parse(src)
+    skip = skipped_nodes(tree)
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Compare):
+            for left, op, right in zip([node.left, *node.comparators], node.ops, node.comparators):
+                in_gap(end(left), start(right), CMP[type(op)])
+        elif isinstance(node, ast.BinOp) and type(node.op) in ARITH and not any(    # not string concatenation
+                isinstance(x, ast.JoinedStr) or isinstance(x, ast.Constant) and isinstance(x.value, str)
+                for x in (node.left, node.right)):
+            in_gap(end(node.left), start(node.right), ARITH[type(node.op)])
+        elif isinstance(node, ast.AugAssign) and type(node.op) in AUG:
+            in_gap(end(node.target), start(node.value), AUG[type(node.op)])
+        elif isinstance(node, ast.BoolOp):
+            for left, right in zip(node.values, node.values[1:]):
+                in_gap(end(left), start(right), BOOL[type(node.op)])
+        elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+            in_gap(start(node), start(node.operand), (rb"^not[ \t]*", "", "not x->x"))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, bool):
+            edits.append((start(node), end(node), str(not node.value), f"{node.value}->{not node.value}"))
+        elif isinstance(node, ast.Constant) and type(node.value) is int and node.value < 100:
+            new_value = {0: 1, 1: 0}.get(node.value, node.value + 1)
+            edits.append((start(node), end(node), str(new_value), f"int:{node.value}->{new_value}"))
+    out = []
+    for a, b, new, op in sorted(edits):      # every edit lies within one line
+        i = bisect.bisect_right(starts, a) - 1
+        col = a - starts[i]
+        old_line = lines[i].decode().rstrip("\r\n")
+        new_line = (lines[i][:col] + new.encode() + lines[i][col + b - a:]).decode().rstrip("\r\n")
+        out.append(Mutant(f"{module}:{i + 1}:{col}:{op}", module, path, i + 1, op, old_line, new_line,
+                          src[:a] + new.encode() + src[b:]))
+    return out
+
+
+def select(module: str, max_per_module: int, seed: int) -> list[Mutant]:
+    """The module's mutants, or a sample of max_per_module of them fixed by (module, seed), in source order."""
+    every = mutants_of(module, MODULES[module][0])
+    if 0 < max_per_module < len(every):
+        every = [every[i] for i in sorted(random.Random(f"{module}:{seed}").sample(range(len(every)), max_per_module))]
+    return every
+
+
+def put(file: Path, data: bytes) -> None:
+    """Write data to file and drop its cached bytecode, which Python would keep using if the size and the
+    modification second came out the same as before."""
+    file.write_bytes(data)
+    for pyc in file.parent.glob(f"__pycache__/{file.stem}.*.pyc"):
+        pyc.unlink()
+
+
+def run_tests(tree: Path, targets: tuple[str, ...], timeout: float | None) -> tuple[str, float]:
+    """('killed' | 'survived' | 'timeout', seconds) for one pytest run of targets in tree."""
+    env = dict(os.environ, HISPARSE_TEST_SEED="1", PYTHONPATH=str(tree), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not slow", *targets]
+    t0 = time.perf_counter()
+    # Its own session, so that a timeout ends the processes the tests started too.
+    proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        out = proc.communicate(timeout=timeout)[0].decode(errors="replace")
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return "timeout", time.perf_counter() - t0
+    if proc.returncode in (4, 5):       # usage error, no tests collected: the setup is wrong, not the mutant caught
+        raise SystemExit(f"pytest exited {proc.returncode} on {' '.join(targets)}:\n{out[-3000:]}")
+    return ("killed" if proc.returncode else "survived"), time.perf_counter() - t0
+
+
+def run_mutant(tree: Path, m: Mutant, timeout: float) -> dict:
+    """The result record of one mutant: its source put into tree, its module's tests run, the original put back."""
+    try:
+        compile(m.source, m.path, "exec")
+    except SyntaxError:
+        status, seconds = "invalid", 0.0
+    else:
+        file = tree / m.path
+        original = file.read_bytes()
+        put(file, m.source)
+        try:
+            status, seconds = run_tests(tree, MODULES[m.module][1], timeout)
+        finally:
+            put(file, original)
+    return {"id": m.id, "module": m.module, "path": m.path, "line": m.line, "operator": m.operator,
+            "original": m.original, "mutated": m.mutated, "status": status, "seconds": round(seconds, 1)}
+
+
+def load_done(path: Path, mutants: list[Mutant]) -> dict[str, dict]:
+    """The recorded results of these mutants whose source line has not changed since (the last record wins)."""
+    current = {m.id: m.original for m in mutants}
+    done = {}
+    if path.exists():
+        for rec in map(json.loads, path.read_text().splitlines()):
+            if current.get(rec["id"]) == rec["original"]:
+                done[rec["id"]] = rec
+    return done
+
+
+def report(out: Path, selected: dict[str, list[Mutant]], done: dict[str, dict], unmutated: dict[str, dict],
+           command: str) -> None:
+    """Write mutation.json (with this run's unmutated test runs, where it made them) and print one line per
+    module."""
+    equivalent = json.loads(EQUIVALENT.read_text())
+    modules, survivors = {}, []
+    for module, mutants in selected.items():
+        ran = [done[m.id] for m in mutants if m.id in done]
+        recs = [r for r in ran if r["status"] != "invalid"]
+        count = {s: sum(r["status"] == s for r in recs) for s in ("killed", "timeout", "survived")}
+        count["equivalent"] = sum(r["status"] == "survived" and r["id"] in equivalent for r in recs)
+        live = len(recs) - count["equivalent"]
+        modules[module] = {"total": len(recs), **count, "invalid": len(ran) - len(recs),
+                           "not_run": len(mutants) - len(ran), "unmutated": unmutated.get(module),
+                           "score": round((count["killed"] + count["timeout"]) / live, 3) if live else None}
+        survivors += [{k: r[k] for k in ("id", "path", "line", "operator", "original", "mutated")}
+                      for r in recs if r["status"] == "survived" and r["id"] not in equivalent]
+        print(f"{module}: {modules[module]}", flush=True)
+    (out / "mutation.json").write_text(json.dumps(
+        {"command": command, "modules": modules, "survivors": survivors}, indent=2) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--modules", default=",".join(MODULES))
+    ap.add_argument("--max-per-module", type=int, default=40, help="mutants sampled per module; 0: all")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="benchmarks/results/test_strength")
+    ap.add_argument("--list", action="store_true", help="only count the mutants per module")
+    ap.add_argument("--report-only", action="store_true", help="only rewrite mutation.json from mutants.jsonl")
+    args = ap.parse_args()
+    names = args.modules.split(",")
+    if unknown := set(names) - set(MODULES):
+        raise SystemExit(f"unknown modules: {sorted(unknown)}; known: {', '.join(MODULES)}")
+    if args.list:
+        for name in names:
+            print(f"{name}: {len(mutants_of(name, MODULES[name][0]))} candidates ({MODULES[name][0]})")
+        return
+    selected = {name: select(name, args.max_per_module, args.seed) for name in names}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "mutants.jsonl"
+    done = load_done(log, [m for ms in selected.values() for m in ms])
+    command = " ".join(["python -m benchmarks.test_strength.mutate",
+                        *(a for a in sys.argv[1:] if a != "--report-only")])
+    unmutated: dict[str, dict] = {}     # module -> its tests' run without a mutant: passed, seconds
+    if not args.report_only:
+        with tempfile.TemporaryDirectory() as tmp, tqdm(total=sum(map(len, selected.values())), initial=len(done),
+                                                         desc="mutants") as bar:
+            tree = Path(tmp)
+            tree_copy(tree)
+            for name, mutants in selected.items():
+                if not (todo := [m for m in mutants if m.id not in done]):
+                    continue
+                status, baseline = run_tests(tree, MODULES[name][1], None)
+                unmutated[name] = {"passed": status == "survived", "seconds": round(baseline, 1)}
+                if status != "survived":
+                    print(f"{name}: its tests fail without a mutant; skipped", flush=True)
+                    bar.update(len(todo))
+                    continue
+                for m in todo:
+                    done[m.id] = rec = run_mutant(tree, m, max(60.0, 3 * baseline))
+                    with log.open("a") as f:
+                        f.write(json.dumps(rec) + "\n")
+                    statuses = [r["status"] for r in done.values() if r["module"] == name]
+                    bar.set_postfix(module=name, killed=statuses.count("killed") + statuses.count("timeout"),
+                                    survived=statuses.count("survived"), refresh=False)
+                    bar.update()
+    report(out, selected, done, unmutated, command)
+
+
+if __name__ == "__main__":
+    main()
