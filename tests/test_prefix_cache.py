@@ -216,16 +216,23 @@ def dcp_waves(model, kv, hooks=None) -> list[list[int]]:
     return out
 
 
+def dcp_model():
+    """The builtin tiny checkpoint in fp64: greedy tokens of a DCP group and of one rank are compared exactly, and
+    the ranks' attention combine reassociates sums, which in fp32 can flip a near-tie of the random model."""
+    return load_model(builtin_tiny()).to(torch.float64)
+
+
 def dcp_store(model, group=None, interleave: int = 1, caching: bool = True):
     """The serving store (hybrid, three resident pages), as DCP rank `group.rank`'s shard (None: one rank)."""
     kv = KVSettings(host_pool_gib=DCP_POOL_GIB, hot_buffer_tokens=16, resident_window=8, page_tokens=PAGE,
-                    device_kv_gib=gib_for(model.cfg, 4, 3), enable_prefix_caching=caching).build(model.cfg)
+                    device_kv_gib=gib_for(model.cfg, 4, 3),
+                    enable_prefix_caching=caching).build(model.cfg, dtype=model.dtype)
     return kv if group is None else ShardedKV(kv, DCPContext(group, interleave))
 
 
 def dcp_rank(group, interleave: int) -> dict:
     """Every rank of a DCP group with prefix caching: rank 0 runs the waves, the others replay them."""
-    model = load_model(builtin_tiny())
+    model = dcp_model()
     kv = dcp_store(model, group, interleave)
     if group.rank > 0:
         run_follower(group, model, kv, None)
@@ -242,7 +249,7 @@ def test_dcp_two_ranks_with_hits_equal_one(interleave: int) -> None:
     """DCP 2 (interleave 1 and 8) with prefix caching: the two later questions start from the document's cached
     units on both ranks (each rank caching its own rows) and the tokens equal one rank's, with and without the
     cache."""
-    model = load_model(builtin_tiny())
+    model = dcp_model()
     one = dcp_store(model)
     want = dcp_waves(model, one)
     assert dcp_waves(model, dcp_store(model, caching=False)) == want and one.stats.prefix_hits == 2 * 144

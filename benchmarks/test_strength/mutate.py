@@ -34,22 +34,24 @@ from .planted import ROOT, tree_copy
 
 EQUIVALENT = Path(__file__).with_name("equivalent.json")
 
+KV = ("tests/test_hisparse_kv.py", "tests/test_hybrid.py", "tests/test_device_budget.py", "tests/test_triton_kv.py",
+      "tests/test_host_sync.py", "tests/test_full_graph.py", "tests/test_prefix_cache.py")   # the stores' tests
 MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "resolver": ("hisparse/gpu_working_set/resolver.py", ("tests/test_resolver.py", "tests/test_hisparse_kv.py")),
-    "static_plan": ("hisparse/gpu_working_set/static_plan.py", ("tests/test_full_graph.py",)),
-    "miss_path_wrapper": ("hisparse/gpu_working_set/kernels/miss_path_triton.py", ("tests/test_triton_miss_path.py",)),
-    "hisparse_kv": ("hisparse/kv/hisparse_kv.py",
-                    ("tests/test_hisparse_kv.py", "tests/test_hybrid.py", "tests/test_device_budget.py")),
-    "hybrid": ("hisparse/kv/hybrid.py", ("tests/test_hybrid.py", "tests/test_device_budget.py")),
-    "resident_pages": ("hisparse/gpu_working_set/resident_pages.py",
-                       ("tests/test_hybrid.py", "tests/test_device_budget.py")),
-    "scheduler": ("hisparse/engine/scheduler.py", ("tests/test_engine.py", "tests/test_preemption_victim.py")),
-    "sampling": ("hisparse/engine/sampling.py", ("tests/test_engine.py", "tests/test_sampling_processors.py")),
+    "resolver": ("hisparse/gpu_working_set/resolver.py", ("tests/test_resolver.py", *KV)),
+    "static_plan": ("hisparse/gpu_working_set/static_plan.py", ("tests/test_full_graph.py", "tests/test_host_sync.py")),
+    "miss_path_wrapper": ("hisparse/gpu_working_set/kernels/miss_path_triton.py",
+                          ("tests/test_triton_miss_path.py", "tests/test_triton_kv.py")),
+    "hisparse_kv": ("hisparse/kv/hisparse_kv.py", KV),
+    "device_budget": ("hisparse/kv/device_budget.py", ("tests/test_device_budget.py", *KV)),
+    "hybrid": ("hisparse/kv/hybrid.py", KV),
+    "resident_pages": ("hisparse/gpu_working_set/resident_pages.py", ("tests/test_device_budget.py", *KV)),
+    "scheduler": ("hisparse/engine/scheduler.py", ("tests/test_preemption_victim.py", "tests/test_engine.py")),
+    "sampling": ("hisparse/engine/sampling.py", ("tests/test_sampling_processors.py", "tests/test_engine.py")),
     "speculative": ("hisparse/engine/speculative.py", ("tests/test_engine_speculative.py",)),
     "spec_decode": ("hisparse/engine/spec_decode.py", ("tests/test_engine_speculative.py",)),
     "dcp_combine": ("hisparse/parallel/context.py", ("tests/test_dcp.py",)),
     "tp": ("hisparse/parallel/tp.py", ("tests/test_tp_vocab.py", "tests/test_tp.py")),
-    "pages": ("hisparse/host_pool/pages.py", ("tests/test_prefix_cache.py", "tests/test_hisparse_kv.py")),
+    "pages": ("hisparse/host_pool/pages.py", ("tests/test_hisparse_kv.py", "tests/test_prefix_cache.py")),
     "pool": ("hisparse/host_pool/pool.py", ("tests/test_pinned_pool.py", "tests/test_hisparse_kv.py")),
     "detokenizer": ("hisparse/engine/detokenizer.py", ("tests/test_engine.py",)),
 }
