@@ -14,7 +14,7 @@ from hisparse.engine.generate import greedy_generate
 from hisparse.kv.settings import KVSettings
 from hisparse.engine.request import Request, RequestError, SamplingParams
 from hisparse.engine.sampling import SamplingBatch, sample
-from hisparse.engine.scheduler import SchedulerConfig
+from hisparse.engine.scheduler import Scheduler, SchedulerConfig
 from hisparse.kv.resident import ResidentKV
 from hisparse.model.tokenizer import load_tokenizer, write_tekken
 
@@ -343,3 +343,63 @@ def test_text_stream_utf8_and_stop_holdback(tok) -> None:
             break
     shown += stream.flush()
     assert stream.stopped and shown == "caf\u00e9 \u4e2d\u6587 \U0001f600 end of the "
+
+
+def test_text_stream_shows_text_as_soon_as_it_is_safe() -> None:
+    """Byte-level ids decoded by a toy decoder: text no stop string can start is shown at once; invalid bytes are
+    committed as U+FFFD once 4 ids hold no whole character; a request ending mid-character commits what
+    is pending at flush."""
+    def decode(ids: list[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    stream = TextStream(decode, stop=("xyz",))
+    assert [stream.push([b]) for b in b"ab"] == ["a", "b"]          # no suffix can start "xyz": nothing held
+    assert stream.push([ord("x")]) == "" and stream.push([ord("q")]) == "xq"
+    bad = TextStream(decode)
+    # a UTF-8 character has at most 4 bytes: 4 ids without one are invalid, not a character still arriving
+    assert [bad.push([0xF0]) for _ in range(4)] == ["", "", "", "\ufffd" * 4]
+    cut = TextStream(decode)
+    assert cut.push(list("é".encode())[:1]) == "" and cut.flush() == "\ufffd"
+
+
+def test_limits_admit_their_boundary_and_refuse_one_past_it(seed: int) -> None:
+    """max_num_seqs >= 1, max_num_batched_tokens >= max_num_seqs, prompt + max_tokens <= max_model_len: each holds at
+    its boundary and fails one past it; a run without KV pressure preempts nothing."""
+    with pytest.raises(ValueError, match="max_num_seqs must be >= 1, got 0"):
+        SchedulerConfig(max_model_len=64, max_num_seqs=0)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        SchedulerConfig(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=1)
+    SchedulerConfig(max_model_len=64, max_num_seqs=1, max_num_batched_tokens=1)
+    model = tiny_model(seed)
+    engine = Engine(model, ResidentKV(model.cfg, "fp8_ds_mla", dtype=torch.float64),
+                    SchedulerConfig(max_model_len=40, max_num_seqs=2, max_num_batched_tokens=16))
+    with pytest.raises(RequestError, match="maximum context length is 40 tokens") as e:
+        engine.add_request([1] * 30, SamplingParams(max_tokens=11))
+    assert e.value.field == "max_tokens"
+    reqs = engine.generate([[1] * 30, [2] * 5], SamplingParams(max_tokens=10, temperature=0.0))
+    assert [len(r.output) for r in reqs] == [10, 10] and engine.scheduler.num_preemptions == 0
+
+
+@pytest.mark.parametrize("groups, budget", [(3, 1), (2, 2), (2, 5)])
+def test_fair_prefill_shares_each_step_between_groups(groups: int, budget: int) -> None:
+    """Prefills of several groups share `fair_prefill_tokens` each step: the groups in turn (starting one later every
+    step) get equal parts of what is left, the first at least one token, so every group progresses."""
+    model = tiny_model(0)
+    sched = Scheduler(SchedulerConfig(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
+                                      fair_prefill_tokens=budget), ResidentKV(model.cfg, "fp8_ds_mla"))
+    reqs = [Request(f"r{g}", [1] * 50, SamplingParams(max_tokens=4), group=f"g{g}") for g in range(groups)]
+    for r in reqs:
+        sched.add(r)
+    for turn in range(2 * groups):
+        step = sched.schedule()
+        got = {r.id: s.length for r, s in zip(step.reqs, step.segments)}
+        want, left = {}, budget                   # the groups in rotated order, each an equal part of what is left
+        for k in range(groups):
+            g = (turn + k) % groups
+            n = left // (groups - k) or (1 if k == 0 else 0)
+            if n:
+                want[f"r{g}"] = n
+            left -= n
+        assert got == want, f"step {turn}"
+        for r, s in zip(step.reqs, step.segments):
+            r.num_computed += s.length

@@ -366,6 +366,7 @@ def test_serve_speculative_config_errors(tmp_path: Path, tiny_ckpt: Path) -> Non
     ckpt = servable(tmp_path / "mtp", params, tiny_ckpt / "consolidated.safetensors")
     for spec, field in [('{"method": "eagle"}', "speculative_config.method"),
                         ('{"num_speculative_tokens": 4}', "speculative_config.num_speculative_tokens"),
+                        ('{"num_speculative_tokens": 0}', "speculative_config.num_speculative_tokens"),
                         ('{"num_speculative_tokens": "3"}', "speculative_config.num_speculative_tokens"),
                         ('{"draft_sample_method": "top1"}', "speculative_config.draft_sample_method"),
                         ('{"num_speculative_token": 3}', "num_speculative_token"), ("{nope", "not valid JSON")]:

@@ -129,6 +129,17 @@ def test_reservation_admission(model):
     assert kv.reserve("b", 100)
 
 
+def test_a_pool_of_exactly_one_page_works_and_less_is_refused():
+    cfg = preset("full")
+    layout = row_layout(cfg, "fp8_ds_mla")
+    page_bytes = HostPool(layout, cfg.kv_source_layers, host_pool_gib=0.01, page_tokens=16, pin=False).page_bytes
+    one = HostPool(layout, cfg.kv_source_layers, host_pool_gib=page_bytes / (1 << 30), page_tokens=16, pin=False)
+    one.ensure("r", 16)
+    assert one.token_capacity == 16 and one.pages_used == 1
+    with pytest.raises(ValueError, match="host_pool_gib: .* holds no page"):
+        HostPool(layout, cfg.kv_source_layers, host_pool_gib=(page_bytes - 1) / (1 << 30), page_tokens=16, pin=False)
+
+
 def test_full_geometry_and_consumer_binding():
     cfg = preset("full")
     g = geometry(cfg)
@@ -137,8 +148,10 @@ def test_full_geometry_and_consumer_binding():
     pool = HostPool(row_layout(cfg, "fp8_ds_mla"), cfg.kv_source_layers, host_pool_gib=0.1, page_tokens=64, pin=False)
     assert pool.page_bytes / pool.page_tokens == 41_328                     # row size x KV-owning layers
     assert pool.buffer.shape[0] == 63                                       # consumers cost zero bytes
-    pool.ensure("r", pool.token_capacity)
-    assert pool.metadata_bytes() / pool.nbytes < 0.005
+    n_pages = pool.token_capacity // 64
+    assert pool.metadata_bytes() == 8 * n_pages                             # one page-table entry per page
+    pool.ensure("r", pool.token_capacity // 2)
+    assert pool.metadata_bytes() == 8 * n_pages and pool.metadata_bytes() / pool.nbytes < 0.005
     for consumer in (39, 43, 71):                                           # bound to layer 35's rows
         assert pool.layer_view(consumer).data_ptr() == pool.layer_view(35).data_ptr()
     assert pool.layer_view(36).data_ptr() != pool.layer_view(35).data_ptr()
