@@ -2,10 +2,11 @@
 
   1. tests  the CUDA tests: every Triton kernel and store test, CUDA graphs, pinned pool, host syncs, the capture
             audit and the kernels' barriers (the kernels compiled on the device, not interpreted);
-  2. serve  `hisparse serve --device cuda` with its defaults (bf16, Triton kernels, CUDA graphs) on the trained
-            needle-ml4 answering needle prompts through `benchmarks.needle` (--quick: 5 at 8k); the full check
-            also serves the same model all-resident (`--kv-offload none`) and compares the answers at 8k and 32k
-            (5 depths each: HiSparse on == off);
+  2. serve  `hisparse serve --device cuda` on the trained needle-ml4 answering needle prompts through
+            `benchmarks.needle`: --quick, with its defaults (bf16, Triton kernels, CUDA graphs, hybrid offload), 5 at
+            8k; the full check always offloading (`--kv-offload hisparse`, so rows really come from the host) and
+            all-resident (`--kv-offload none`), comparing the answers at 8k and 32k (5 depths each: HiSparse on ==
+            off);
   3. figures (full check only) the GPU figures P2, P3, P5, P6, P7 of `benchmarks.gpu.run` at sizes that finish.
 
 Writes at most 8 files into DIR (check.json, tests.log, serve-hisparse.log, serve-none.log, needle.json,
@@ -58,10 +59,11 @@ def run_tests(out: Path, budget_s: int) -> dict:
 
 
 def run_serve(out: Path, device: str, quick: bool, budget_s: int) -> dict:
-    """Needle prompts through the default server; the full check compares it with an all-resident server."""
+    """Needle prompts through the default server (quick), or through an always-offloading server compared with an
+    all-resident one (full)."""
     t0 = time.perf_counter()
     common = ["--model", str(MODEL), "--device", device, "--max-model-len", "40000", "--host-pool-gib", "8"]
-    wanted = [(18731, out / "serve-hisparse.log", common)]
+    wanted = [(18731, out / "serve-hisparse.log", common if quick else [*common, "--kv-offload", "hisparse"])]
     if not quick:
         wanted.append((18732, out / "serve-none.log", [*common, "--kv-offload", "none"]))
     result: dict = {"servers": [" ".join(flags) for _, _, flags in wanted]}
