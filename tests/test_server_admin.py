@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -24,6 +25,8 @@ from hisparse.model.tiny import builtin_tiny
 def test_startup_models_health(server: Server) -> None:
     log = server.log.read_text()
     assert "KV cache (host pool) size:" in log and "Maximum concurrency for 2,048 tokens per request" in log
+    assert re.search(r"Device KV budget: [\d,]+ bytes = working sets of [\d,]+ bytes for at most [\d,]+ running "
+                     r"requests\n", log), "the budget's line (--kv-offload hisparse: no resident pages)"
     assert f"{server.url}/v1" in log
     assert "random weights" not in log      # started with --model: no note about the built-in checkpoint
     assert httpx.get(f"{server.url}/health").status_code == 200

@@ -84,9 +84,11 @@ def capacity_lines(kv: LatentKV, offload: str, max_model_len: int) -> list[str]:
         rows = store.n_slots + store.window + store.sinks
         lines.append(f"Device latent rows per request and layer: {rows:,} (hot buffer {store.n_slots:,} + resident "
                      f"window {store.window:,} + sinks {store.sinks:,}), whatever the context length")
-        if store.resident is not None:
-            lines.append(f"Resident pages (hybrid): {store.resident.n_pages:,} device pages of "
-                         f"{store.page_tokens} tokens ({store.arena.page_bytes():,} bytes), shared by all requests")
+        if store.budget is not None:
+            lines.append(f"Device KV budget: {store.budget:,} bytes = working sets of {store.working_set_bytes():,} "
+                         f"bytes for at most {store.max_working_sets():,} running requests"
+                         + (f", and resident pages of {store.page_tokens} tokens ({store.page_bytes:,} bytes) in "
+                            "what they leave (hybrid)" if store.resident is not None else ""))
     return lines
 
 
