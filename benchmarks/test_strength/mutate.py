@@ -1,13 +1,15 @@
 """Mutation testing of chosen modules against their tests: each mutant is one small change to a module's source (a
 comparison, `+`/`-` or `and`/`or` swapped, a small int or a bool changed, a `not` dropped), found with `ast` and made
-by editing only that token's text in a copy of the tree (HEAD); the module's tests then run once with a fixed test
-seed. A mutant is killed when they fail or time out, survives when they pass, and is invalid (not counted) when it
+by editing only that token's text in a copy of the tree (HEAD); the tests that run its line (`--select coverage`:
+one coverage run of the quick suite with a context per test function, cached) or its module's table entry then
+run once with a fixed test seed. A mutant is killed when they fail or time out, survives when they pass, and is invalid (not counted) when it
 does not compile. Each has a stable id `module:line:col:operator`; results are appended to `<out>/mutants.jsonl`, so
 a run resumes where one stopped, and `<out>/mutation.json` holds the score per module and the survivors. Survivors
 listed in `equivalent.json` (id -> reason, kept by hand) count as equivalent and leave the score.
 
+    pip install coverage     # (the default --select coverage)
     python -m benchmarks.test_strength.mutate [--modules resolver,scheduler] [--max-per-module 40] [--seed 0]
-        [--out benchmarks/results/test_strength] [--list] [--report-only]
+        [--select coverage|table] [--out benchmarks/results/test_strength] [--list] [--report-only]
 """
 
 from __future__ import annotations
@@ -180,8 +182,44 @@ def run_tests(tree: Path, targets: tuple[str, ...], timeout: float | None) -> tu
     return ("killed" if proc.returncode else "survived"), time.perf_counter() - t0
 
 
-def run_mutant(tree: Path, m: Mutant, timeout: float) -> dict:
-    """The result record of one mutant: its source put into tree, its module's tests run, the original put back."""
+def coverage_map(out: Path, tests: str) -> dict[str, dict[int, list[str]]]:
+    """path -> line -> the tests (pytest node ids, parameters folded) that run it, from one coverage run of the
+    quick suite with a context per test function (cached in <out>/coverage-map.json; needs `pip install coverage`).
+    Lines that only spawned processes run (DCP ranks) have no test here."""
+    cache = out / "coverage-map.json"
+    if cache.exists():
+        return {f: {int(k): v for k, v in lines.items()} for f, lines in json.loads(cache.read_text()).items()}
+    with tempfile.TemporaryDirectory() as tmp:
+        rc = Path(tmp) / "coveragerc"
+        rc.write_text(f"[run]\nsource = hisparse\ndynamic_context = test_function\ndata_file = {tmp}/.coverage\n")
+        env = dict(os.environ, HISPARSE_TEST_SEED="1", OMP_NUM_THREADS="1")
+        subprocess.run([sys.executable, "-m", "coverage", "run", f"--rcfile={rc}", "-m", "pytest", "-q", "-p",
+                        "no:cacheprovider", "-m", "not slow", *tests.split(",")], cwd=ROOT, env=env)
+        subprocess.run([sys.executable, "-m", "coverage", "json", f"--rcfile={rc}", "--show-contexts", "-o",
+                        f"{tmp}/cov.json"], cwd=ROOT, env=env, check=True)
+        files = json.loads((Path(tmp) / "cov.json").read_text())["files"]
+    by_line = {path: {int(line): sorted({node_id(c) for c in ctxs if c}) for line, ctxs in f["contexts"].items()}
+               for path, f in files.items()}
+    cache.write_text(json.dumps(by_line))
+    return by_line
+
+
+def node_id(context: str) -> str:
+    """A coverage test-function context (`test_engine.test_x`, `test_tp.TestY.test_z`) as a pytest node id."""
+    parts = context.split(".")
+    i = next(i for i, p in enumerate(parts) if (ROOT / "tests" / f"{p}.py").exists())
+    return "::".join([f"tests/{parts[i]}.py", *parts[i + 1:]])
+
+
+def targets_of(m: Mutant, covered: dict[str, dict[int, list[str]]] | None) -> tuple[str, ...]:
+    """The tests a mutant runs against: those that cover its line, else (no coverage map, or a line only spawned
+    processes run) its module's table entry."""
+    tests = (covered or {}).get(m.path, {}).get(m.line)
+    return tuple(tests) if tests else MODULES[m.module][1]
+
+
+def run_mutant(tree: Path, m: Mutant, timeout: float, covered: dict[str, dict[int, list[str]]] | None) -> dict:
+    """The result record of one mutant: its source put into tree, its tests run, the original put back."""
     try:
         compile(m.source, m.path, "exec")
     except SyntaxError:
@@ -191,11 +229,12 @@ def run_mutant(tree: Path, m: Mutant, timeout: float) -> dict:
         original = file.read_bytes()
         put(file, m.source)
         try:
-            status, seconds = run_tests(tree, MODULES[m.module][1], timeout)
+            status, seconds = run_tests(tree, targets_of(m, covered), timeout)
         finally:
             put(file, original)
     return {"id": m.id, "module": m.module, "path": m.path, "line": m.line, "operator": m.operator,
-            "original": m.original, "mutated": m.mutated, "status": status, "seconds": round(seconds, 1)}
+            "original": m.original, "mutated": m.mutated, "status": status, "seconds": round(seconds, 1),
+            "tests": len(targets_of(m, covered)) if covered and m.line in covered.get(m.path, {}) else "table"}
 
 
 def load_done(path: Path, mutants: list[Mutant]) -> dict[str, dict]:
@@ -239,6 +278,13 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/test_strength")
     ap.add_argument("--list", action="store_true", help="only count the mutants per module")
     ap.add_argument("--report-only", action="store_true", help="only rewrite mutation.json from mutants.jsonl")
+    ap.add_argument("--select", choices=("coverage", "table"), default="coverage",
+                    help="the tests a mutant runs: those covering its line (one coverage run of the quick suite "
+                         "first, cached; lines only spawned processes run fall back to the table), or its module's "
+                         "table entry")
+    ap.add_argument("--coverage-tests", default="tests", help="what the coverage run runs (comma-separated)")
+    ap.add_argument("--timeout", type=float, default=600.0,
+                    help="seconds a mutant's covering tests may run (a table run: 3x its module's baseline)")
     args = ap.parse_args()
     names = args.modules.split(",")
     if unknown := set(names) - set(MODULES):
@@ -256,6 +302,7 @@ def main() -> None:
                         *(a for a in sys.argv[1:] if a != "--report-only")])
     unmutated: dict[str, dict] = {}     # module -> its tests' run without a mutant: passed, seconds
     if not args.report_only:
+        covered = coverage_map(out, args.coverage_tests) if args.select == "coverage" else None
         with tempfile.TemporaryDirectory() as tmp, tqdm(total=sum(map(len, selected.values())), initial=len(done),
                                                          desc="mutants") as bar:
             tree = Path(tmp)
@@ -270,7 +317,8 @@ def main() -> None:
                     bar.update(len(todo))
                     continue
                 for m in todo:
-                    done[m.id] = rec = run_mutant(tree, m, max(60.0, 3 * baseline))
+                    limit = args.timeout if covered is not None else max(60.0, 3 * baseline)
+                    done[m.id] = rec = run_mutant(tree, m, limit, covered)
                     with log.open("a") as f:
                         f.write(json.dumps(rec) + "\n")
                     statuses = [r["status"] for r in done.values() if r["module"] == name]
