@@ -22,6 +22,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -199,18 +200,21 @@ def coverage_map(out: Path, tests: str) -> dict[str, dict[int, list[str]]]:
             raise SystemExit(f"the tests fail without a mutant (pytest exited {run.returncode}); fix them first")
         subprocess.run([sys.executable, "-m", "coverage", "json", f"--rcfile={rc}", "--show-contexts", "-o",
                         f"{tmp}/cov.json"], cwd=ROOT, env=env, check=True)
-        files = json.loads((Path(tmp) / "cov.json").read_text())["files"]
-    by_line = {path: {int(line): sorted({node_id(c) for c in ctxs if c}) for line, ctxs in f["contexts"].items()}
+        shutil.copy(Path(tmp) / "cov.json", out / "coverage.json")    # (kept: the run takes a while)
+    files = json.loads((out / "coverage.json").read_text())["files"]
+    by_line = {path: {int(line): sorted(filter(None, map(node_id, ctxs))) for line, ctxs in f["contexts"].items()}
                for path, f in files.items()}
     cache.write_text(json.dumps(by_line))
     return by_line
 
 
-def node_id(context: str) -> str:
-    """A coverage test-function context (`test_engine.test_x`, `test_tp.TestY.test_z`) as a pytest node id."""
+def node_id(context: str) -> str | None:
+    """A coverage test-function context (`test_engine.test_x`, `test_tp.TestY.test_z`) as a pytest node id; None
+    for a context outside the test modules (code run at import, or in a helper module's function)."""
     parts = context.split(".")
-    i = next(i for i, p in enumerate(parts) if (ROOT / "tests" / f"{p}.py").exists())
-    return "::".join([f"tests/{parts[i]}.py", *parts[i + 1:]])
+    i = next((i for i, p in enumerate(parts) if p.startswith("test_") and (ROOT / "tests" / f"{p}.py").exists()),
+             None)
+    return None if i is None else "::".join([f"tests/{parts[i]}.py", *parts[i + 1:]])
 
 
 def targets_of(m: Mutant, covered: dict[str, dict[int, list[str]]] | None) -> tuple[str, ...]:
