@@ -157,8 +157,12 @@ def main() -> None:
         (the flag covers latent rows), plus the full graphs' padding slot; the default before `seen` is measured."""
         if not seen:
             return settings.device_kv_gib
-        pad_ws = seen["latent"] + seen["hot_metadata"] if graph_mode == "full" else 0
+        pad_ws = ws_bytes() if graph_mode == "full" else 0
         return (budget - seqs * length * index_tok + pad_ws) / 2**30
+
+    def ws_bytes() -> int:
+        """One request's working set (latent rows + LRU metadata), as measured on a running request."""
+        return seen["latent"] + seen["hot_metadata"]
 
     def offloading_kv(offload: str, seqs: int = 1) -> LatentKV:
         return dataclasses.replace(settings, offload=offload, device_kv_gib=kv_gib(seqs)).build(cfg, args.device)
@@ -176,7 +180,7 @@ def main() -> None:
     eng = Engine(model, kv, SchedulerConfig(max_num_seqs=1, **sched))
     measure(eng, prompts[:1], params, args.warmup, 1,
             lambda: seen.update(kv.device_bytes(eng.scheduler.running[0].id)))
-    hs_req = seen["latent"] + seen.get("hot_metadata", 0) + length * index_tok
+    hs_req = ws_bytes() + length * index_tok
     limits = {"none": budget // none_req, "hisparse": budget // hs_req}
     print(f"device budget {budget / 2**20:.1f} MiB: none {none_req / 2**20:.2f} MiB/request -> {limits['none']} "
           f"requests; hisparse {hs_req / 2**20:.2f} MiB/request -> {limits['hisparse']} requests", flush=True)

@@ -55,8 +55,7 @@ class DeviceBudget:
 
     def reserve(self, req: Hashable, n_tokens: int) -> bool:
         """`LatentKV.reserve`, and a request new to the store also needs room for its working set."""
-        cap = self.max_working_sets()
-        if cap is not None and req not in self.reserved and len(self.reserved) >= cap:
+        if self.budget is not None and req not in self.reserved and len(self.reserved) >= self.max_working_sets():
             return False
         return super().reserve(req, n_tokens)
 
@@ -67,7 +66,7 @@ class DeviceBudget:
         a, page_rows = self.arena, None
         if self.resident is not None and slots > a.slots:
             a.move_pages(self.resident.limit(self.page_room(slots)), self.page_tokens)
-            page_rows = min(a.page_rows, self.resident.allocated * self.page_tokens)
+            page_rows = self.resident.allocated * self.page_tokens
         a.fit(slots, step_rows, page_rows, exact=self.budget is not None)
         for h in self.hot.values():
             h.fit(a.slots)
