@@ -29,7 +29,7 @@ from triton.backends.compiler import GPUTarget
 
 from .gpu_working_set.kernels import backup_triton, miss_path_triton
 from .core.triton_support import Specialization, recording
-from .gpu_working_set.resolver import HotSlots
+from .gpu_working_set.resolver import HotSlots, PageMap
 from .host_pool.layout import RowLayout
 from .core.config import ModelConfig, preset_params
 from .kv.kernels import indexer_triton, sparse_mla_triton, topk_triton
@@ -85,10 +85,11 @@ def _attention(cfg: ModelConfig, tp: int, dtype: torch.dtype, layout: str, index
     members = len([s for s in cfg.layers if s.index_source == s.index]) or 1
     arena_rows = reqs * (2 * k + DEFAULT_WINDOW + SINKS) * cfg.n_layers + rows * cfg.n_layers
     pool = _meta(1 << 20, B, dtype=torch.uint8)
-    plan = miss_path_triton.miss_path(
-        hot, _meta(reqs), _meta(reqs), _meta(reqs), _meta(reqs), _meta(reqs), SINKS, DEFAULT_WINDOW, seg,
-        _meta(rows, k), _meta(), pages, P, pool, _meta(members), _meta(arena_rows, B, dtype=torch.uint8),
-        _meta(members, 5), max_rows_per_seg=rows // reqs)
+    for resident in (None, PageMap(_meta(reqs, context // P), P, _meta(1 << 12))):   # hisparse, hybrid offload
+        plan = miss_path_triton.miss_path(
+            hot, _meta(reqs), _meta(reqs), _meta(reqs), _meta(reqs), _meta(reqs), SINKS, DEFAULT_WINDOW, seg,
+            _meta(rows, k), _meta(), pages, P, pool, _meta(members), _meta(arena_rows, B, dtype=torch.uint8),
+            _meta(members, miss_path_triton.N_KINDS), max_rows_per_seg=rows // reqs, resident=resident)
     backup_triton.backup(_meta(rows, B, dtype=torch.uint8), pool, _meta(rows))
     H = cfg.n_heads // tp
     extra = None if plan.extra is None else plan.extra[0]

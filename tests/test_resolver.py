@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from hisparse.gpu_working_set import resolver
 from hisparse.gpu_working_set.kernels import resolve as native
-from hisparse.gpu_working_set.resolver import EXTRA, HOT, NONE, STEP, WINDOW, HotSlots, Plan, resolve
+from hisparse.gpu_working_set.resolver import EXTRA, HOT, NONE, PAGE, STEP, WINDOW, HotSlots, PageMap, Plan, resolve
 
 needs_kernel = pytest.mark.skipif(not native.available(), reason="no C++ compiler for the resolver kernel")
 PATHS = [pytest.param(False, id="torch"), pytest.param(True, id="native", marks=needs_kernel)]
@@ -130,6 +130,18 @@ def resolve_on(native_path: bool, hot: HotSlots, *args) -> Plan:
         resolver.NATIVE = prev
 
 
+def random_pages(g: torch.Generator, S: int, positions: int) -> PageMap:
+    """A random page map: S segments' pages (page_tokens 1-8) each on a device page of 5 or host only (-1)."""
+    P = int(torch.randint(1, 9, (), generator=g))
+    n_pages = 5
+    dev = torch.randint(-1, n_pages, (S, -(-positions // P)), generator=g)
+    return PageMap(dev, P, torch.randint(0, 4, (n_pages + 1,), generator=g))
+
+
+def clone_pages(pages: PageMap | None) -> PageMap | None:
+    return None if pages is None else PageMap(pages.dev, pages.page_tokens, pages.stamp.clone())
+
+
 def clone(hot: HotSlots) -> HotSlots:
     twin = HotSlots(hot.n_slots, hot.device)
     twin.fit(hot.slots)
@@ -179,14 +191,39 @@ def test_kernel_matches_torch(seed: int, n_slots: int) -> None:
             if step and int(torch.randint(0, 4, (), generator=g)) == 0:   # a released or rolled back request
                 hot.clear(int(torch.randint(0, R, (), generator=g)), int(torch.randint(0, positions, (), generator=g)))
             stamp += int(torch.randint(0, 3, (), generator=g))            # stamps may repeat
-            twin = clone(hot)
-            ref = resolve_on(False, hot, *args[:5], sinks, window, *args[5:], stamp)
-            got = resolve_on(True, twin, *args[:5], sinks, window, *args[5:], stamp)
+            pages = random_pages(g, args[0].numel(), positions) if trial % 2 else None   # hybrid: resident pages
+            twin, twin_pages = clone(hot), clone_pages(pages)
+            ref = resolve_on(False, hot, *args[:5], sinks, window, *args[5:], stamp, pages)
+            got = resolve_on(True, twin, *args[:5], sinks, window, *args[5:], stamp, twin_pages)
             where = f"seed {seed} trial {trial} step {step}"
             for name in ("keys", "kind", "local", "extra", "miss_seg", "miss_pos", "miss_dest"):
                 assert torch.equal(getattr(got, name), getattr(ref, name)), f"{name}, {where}"
-            assert (got.n_unique, got.n_transient) == (ref.n_unique, ref.n_transient), where
+            assert ((got.n_unique, got.n_transient, got.n_resident)
+                    == (ref.n_unique, ref.n_transient, ref.n_resident)), where
             assert torch.equal(twin.pos, hot.pos) and torch.equal(twin.stamp, hot.stamp), where
+            if pages is not None:
+                assert torch.equal(twin_pages.stamp, pages.stamp), where
+
+
+def test_resident_pages_come_first(path: bool) -> None:
+    """A position on a resident page reads its page (PAGE, row device page * P + position % P) whatever else it
+    is (sink, window, written this step), stamps that page and takes no hot slot; the others resolve as without
+    pages, and only they count as hits or misses."""
+    hot = HotSlots(3, torch.device("cpu"))
+    hot.fit(1)
+    dev = torch.full((1, 11), -1, dtype=torch.long)
+    dev[0, 0], dev[0, 3], dev[0, 10] = 2, 0, 1          # positions 0-3, 12-15 and 40-43 are resident (P = 4)
+    pages = PageMap(dev, 4, torch.zeros(5, dtype=torch.long))
+    sel = torch.tensor([[1, 12, 41, 20, 13, 5, 11, -1]])
+    plan = resolve(hot, torch.tensor([0]), torch.tensor([40]), torch.tensor([0]), torch.tensor([10]),
+                   torch.tensor([14]), 2, 4, torch.tensor([0]), sel, 7, pages)
+    by_pos = {int(key): (int(kind), int(local)) for key, kind, local in zip(plan.keys, plan.kind, plan.local)
+              if key >= 0 and kind != NONE}
+    assert {p: by_pos[p] for p in (1, 12, 13, 41)} == {1: (PAGE, 9), 12: (PAGE, 0), 13: (PAGE, 1), 41: (PAGE, 5)}
+    assert by_pos[11][0] == WINDOW and by_pos[20][0] == HOT and by_pos[5][0] == HOT
+    assert (plan.n_unique, plan.n_resident, plan.n_misses) == (7, 4, 2)
+    assert pages.stamp[:4].tolist() == [7, 7, 7, 0]                     # device pages 0-2 read, page 3 not
+    assert sorted(hot.held(0).tolist()) == [5, 20]
 
 
 @needs_kernel

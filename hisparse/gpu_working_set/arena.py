@@ -45,10 +45,11 @@ class DeviceArena:
             self.step_base[l], off = off, off + self.step_cap
         self.zero_row, self.scratch_row = off, off + 1
         self.n_rows = off + 2
-        # per layer, the base added to a resolved entry's local row, by kind (STEP, WINDOW, HOT, EXTRA, NONE:
+        # per layer, the base added to a resolved entry's local row, by kind (STEP, WINDOW, HOT, EXTRA, NONE, PAGE:
         # transient misses and empty selections read the zero row; transient ones are patched in afterwards)
         self.kind_base = {l: torch.tensor([self.step_base.get(src, 0), self.win_base.get(src, 0), self.hot_base[l],
-                                           self.zero_row, self.zero_row], dtype=torch.long, device=self.device)
+                                           self.zero_row, self.zero_row, self.page_base.get(src, 0)],
+                                          dtype=torch.long, device=self.device)
                           for l, src in self.source.items()}
         self.owner_step_base = torch.tensor([[self.step_base[o]] for o in self.owners], dtype=torch.long,
                                             device=self.device)                              # [O, 1]

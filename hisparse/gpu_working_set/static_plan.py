@@ -13,14 +13,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .resolver import EMPTY, EXTRA, HOT, KEY_SPAN, NO_KEY, NONE, STEP, WINDOW, HotSlots, _window_index, entries
+from .resolver import EMPTY, KEY_SPAN, NO_KEY, HotSlots, PageMap, classify, entries
 
 
 @dataclass
 class StaticPlan:
     """One index group's static resolution: entries as `resolver.Plan` (keys, kind, local; `extra`: an entry's
     row among `fetched` rows, which is its own index), and per entry its segment and position, its hot slot when
-    a miss fills one (-1 otherwise) and the device counters [2] (distinct positions, misses) of real segments.
+    a miss fills one (-1 otherwise) and the device counters [3] (distinct positions, misses, resident positions)
+    of real segments.
     n_transient: 1 when a transient miss is possible at this step's shape (host-known), else 0."""
     keys: torch.Tensor
     kind: torch.Tensor
@@ -40,12 +41,13 @@ class StaticPlan:
 
 def resolve_static(hot: HotSlots, slot_of_seg: torch.Tensor, step_start: torch.Tensor, step_row0: torch.Tensor,
                    win_lo: torch.Tensor, win_len: torch.Tensor, sinks: int, window: int, seg: torch.Tensor,
-                   sel: torch.Tensor, stamp: torch.Tensor, real: torch.Tensor, transient: bool) -> StaticPlan:
+                   sel: torch.Tensor, stamp: torch.Tensor, real: torch.Tensor, transient: bool,
+                   pages: PageMap | None = None) -> StaticPlan:
     """`resolver.resolve` of sel [n, k] (rows of segments seg [n]) with static shapes: stamp is a 0-dim device
     tensor, real [S] is 1 for a segment counted in the statistics (0: padding), transient whether more positions
     than free slots can be selected in one segment (`StaticPlan.n_transient`)."""
-    keys, head, e_seg, e_pos, r, in_step, in_win, found, hit, miss = entries(hot, slot_of_seg, step_start, win_lo,
-                                                                          win_len, sinks, seg, sel)
+    keys, head, e_seg, e_pos, r, on_page, page_row, in_step, in_win, found, hit, miss = entries(
+        hot, slot_of_seg, step_start, win_lo, win_len, sinks, seg, sel, pages, stamp)
     n = hot.n_slots
     hit_at = torch.where(hit, found, hot.scratch)
     hot.stamp.index_put_((hit_at,), stamp.expand(hit_at.shape))
@@ -65,12 +67,9 @@ def resolve_static(hot: HotSlots, slot_of_seg: torch.Tensor, step_start: torch.T
         hot.stamp.index_put_((fill_at,), stamp.expand(fill_at.shape))
         found = torch.where(fill, victim, found)
 
-    kind = torch.where(in_step, STEP, torch.where(in_win, WINDOW, torch.where(hit | fill, HOT, NONE)))
-    kind = torch.where(miss & ~fill, EXTRA, kind)
-    local = torch.where(in_step, step_row0[e_seg] + e_pos - step_start[e_seg],
-                        torch.where(in_win, _window_index(r, e_pos, window, sinks),
-                                    torch.where(hit | fill, found, 0)))
+    kind, local = classify(on_page, page_row, in_step, in_win, hit | fill, miss & ~fill, found, e_seg, e_pos, r,
+                           step_start, step_row0, window, sinks)
     counted = real[e_seg] > 0
-    counts = torch.stack(((head & counted).sum(), (miss & counted).sum()))
+    counts = torch.stack(((head & counted).sum(), (miss & counted).sum(), (head & on_page & counted).sum()))
     return StaticPlan(keys, kind, local, torch.arange(keys.numel(), device=sel.device), e_seg, e_pos,
                       torch.where(fill, found, EMPTY), counts, int(transient))

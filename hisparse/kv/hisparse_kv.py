@@ -77,17 +77,13 @@ class HiSparseKV(DeviceBudget, HybridPages, LatentKV):
         self.resident = ResidentPages(n_pages, self.device) if n_pages else None
         self.placed: dict[Hashable, int] = {}   # request -> how many of its pages were offered a device page
         self.page_count: dict[Hashable, tuple[int, int, int]] = {}   # request -> (map version, pages, resident)
-        self.resident_split: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.resident_split: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # group -> (selection, page rows)
         self.seg_pages: torch.Tensor | None = None   # per step: [S, max_pages] device page (-1: host only)
         self.seg_base: tuple[torch.Tensor, torch.Tensor] | None = None   # per step: (rows' segments, their offset)
-        self.resident_counts: list[tuple[int, torch.Tensor]] = []   # per step: (member layers, resident hits)
-        every = tuple(len(self.members[g]) for g in cfg.index_owner_layers)   # (made before any step records)
-        self.count_weights = {every: torch.tensor(every, device=self.device)}
         self.all_resident = False   # per step: every page of every request of the step is resident
-        self.skip_split = False     # per step: too few of its pages resident to split selections (hybrid.py)
         self.writes_pages = False   # per step: some of its rows go to resident pages (hybrid.py)
         self.stale_windows: set[Hashable] = set()   # requests whose windows missed all-resident decode steps
-        self.windows_wait = False   # per step: an all-resident decode step leaves the windows as they are
+        self.resident_decode = False   # per step: all-resident decode, read from the pages, windows left as they are
         self.arena = DeviceArena({l.index: l.kv_source for l in cfg.layers}, n_slots, window, sink_tokens,
                                  self.layout.row_bytes, self.device)
         self.hot = {g: HotSlots(n_slots, self.device) for g in cfg.index_owner_layers}
@@ -159,7 +155,6 @@ class HiSparseKV(DeviceBudget, HybridPages, LatentKV):
     def forget_step(self) -> None:
         self.step_rows = self.step_page_rows = self.step_page_dest = self.located = self.seg_pages = None
         self.seg_base = None
-        self.resident_counts.clear()
         self.plans.clear()
         self.fetched.clear()
         self.kernel_plans.clear()
@@ -208,13 +203,12 @@ class HiSparseKV(DeviceBudget, HybridPages, LatentKV):
         newest into the resident windows (one gather and one scatter for every KV-owning layer at once), into
         their resident pages when the step did not split its selections (hybrid.py), and advance every written
         request's window bounds (in place: a captured step replays on the same tensors). An eager all-resident
-        decode step only backs its rows up (hybrid.py: `windows_wait`)."""
-        self.count_resident()
+        decode step only backs its rows up (hybrid.py: `resident_decode`)."""
         if self.step_rows is None:
             return
         seg, pos = self.step_rows
         a = self.arena
-        if self.windows_wait:     # the rows are in their pages; the windows are loaded when a step needs them
+        if self.resident_decode:     # the rows are in their pages; the windows are loaded when a step needs them
             if self.kernels != "triton":
                 self.back_up(a.gather(a.owner_page_base + self.step_page_rows))
             return
@@ -228,8 +222,6 @@ class HiSparseKV(DeviceBudget, HybridPages, LatentKV):
         keep = (pos < self.sinks) | (pos >= end - self.window) if self.window else pos < self.sinks
         dest = torch.where(keep, a.owner_win_base + a.window_index(slot, pos), a.scratch_row)    # [O, n]
         a.data.index_copy_(0, dest.flatten(), src.flatten(0, 1))
-        if self.writes_pages and self.skip_split:    # the resident pages' rows, every KV owner at once
-            a.data.index_copy_(0, self.step_page_dest.flatten(), src.flatten(0, 1))
         written = torch.zeros_like(self.win_len).scatter_reduce_(0, slot, end, "amax")
         torch.maximum(self.win_len, written, out=self.win_len)
         torch.maximum(self.win_lo, self.win_len - self.window, out=self.win_lo)
@@ -278,8 +270,8 @@ class HiSparseKV(DeviceBudget, HybridPages, LatentKV):
                                                    a.scratch_row))
         if not self.all_resident:        # (a step whose every page is resident reads and keeps them there only)
             a.data[a.step_base[layer]: a.step_base[layer] + data.shape[0]] = data
-        if self.writes_pages and not self.skip_split:    # and into the positions' resident pages (a
-            a.data.index_copy_(0, self.step_page_dest[self.owner_index[layer]], data)   # step reading none: at end)
+        if self.writes_pages:             # and into the positions' resident pages
+            a.data.index_copy_(0, self.step_page_dest[self.owner_index[layer]], data)
         if self.kernels == "triton":      # straight into the pool, ordered before the next step's miss path
             from ..gpu_working_set.kernels.backup_triton import backup
             backup(data, self.pool.rows, self.step_pool_rows + self.pool.layer_offset(layer))
@@ -297,25 +289,23 @@ class HiSparseKV(DeviceBudget, HybridPages, LatentKV):
                     out = torch.where((idx[lo:hi] >= n)[..., None], fresh, out)
                 return out
             return stored
-        group = self.cfg.layers[layer].index_source
-        rest, hit, prow = self.split_resident(group, seg, sel)
         a = self.arena
-        if rest is None:     # every row of the step is resident: one index into the page region (an empty entry
-            idx = a.page_base[self.source(layer)] + prow      # reads its request's position 0: a finite row)
+        if self.resident_decode:     # every row of the step is resident: one index into the page region
+            idx = self.rows_on_pages(layer, seg, sel, None)
             return lambda lo, hi: self.layout.gather_unpack(a.data, idx[lo:hi], self.dtype)
+        group = self.cfg.layers[layer].index_source
         plan = self.plans.get(group)
         if plan is None:
-            plan = self.plans[group] = (self.plan_static if self.static else self.plan_group)(group, seg, rest)
+            plan = self.plans[group] = (self.plan_static if self.static else self.plan_group)(group, seg, sel)
         extra, event = self.fetched.pop(layer)
         self.copier.wait(event)
         if self.located is None or self.located[0] is not sel:   # members of a group share the selection
-            self.located = (sel, plan.locate(seg, rest))
+            self.located = (sel, plan.locate(seg, sel))
         j = self.located[1]
         idx = (plan.local + a.kind_base[layer][plan.kind])[j]                                  # [n, k]
-        if hit is not None:
-            idx = self.on_pages(layer, hit, prow, idx)
         if not self.static:       # (a static plan counts on the device)
-            self.stats.hits += plan.n_unique - plan.n_misses
+            self.stats.hits += plan.n_unique - plan.n_resident - plan.n_misses
+            self.stats.resident_hits += plan.n_resident
             self.stats.misses += plan.n_misses
             self.stats.host_to_device_bytes += plan.n_misses * self.layout.row_bytes
         transient = (plan.kind[j] == EXTRA) if plan.n_transient else None
@@ -333,36 +323,38 @@ class HiSparseKV(DeviceBudget, HybridPages, LatentKV):
         """The Triton path: at the index group owner's first call of the step, one miss-path launch resolves
         every request's selections, copies every member layer's misses from the host pool and returns the arena
         rows of every selection; members then read their own."""
-        group = self.cfg.layers[layer].index_source
-        rest, hit, prow = self.split_resident(group, seg, sel)
         a = self.arena
-        if rest is None:     # every row of the step is resident: no miss path
-            return a.data, self.on_pages(layer, sel >= 0, prow, -1), None
+        if self.resident_decode:     # every row of the step is resident: no miss path
+            return a.data, self.rows_on_pages(layer, seg, sel, -1), None
+        group = self.cfg.layers[layer].index_source
         if group not in self.kernel_plans:
-            self.run_miss_path(group, seg, rest, sel)
+            self.run_miss_path(group, seg, sel)
         launched, out = self.kernel_plans[group]
         i = self.members[group].index(layer)
         extra = None if out.extra is None else out.extra[i]
         # a member past the narrowed rows (AttentionBatch.narrow_) reads a subset of the planned rows, by key
-        idx = out.idx[i] if sel is launched else out.rows_of(seg, rest, a.kind_base[layer], a.data.shape[0])
-        if hit is not None:
-            idx = self.on_pages(layer, hit, prow, idx)
+        idx = out.idx[i] if sel is launched else out.rows_of(seg, sel, a.kind_base[layer], a.data.shape[0])
         return a.data, idx, extra
 
-    def run_miss_path(self, group: int, seg: torch.Tensor, sel: torch.Tensor, launched: torch.Tensor) -> None:
-        """One miss-path launch for the index group's selection `sel` (its non-resident positions; `launched`:
-        the selection the layers pass, by which members find the result)."""
+    def run_miss_path(self, group: int, seg: torch.Tensor, sel: torch.Tensor) -> None:
+        """One miss-path launch for the index group's selection `sel` (members find the result by it)."""
         from ..gpu_working_set.kernels.miss_path_triton import miss_path   # imports triton: only on the Triton path
         a, members = self.arena, self.members[group]
         out = miss_path(self.hot[group], self.step_slot, self.tables.start, self.step_row0, self.win_lo,
                         self.win_len, self.sinks, self.window, seg, sel, self.stamp, self.tables.pages,
                         self.page_tokens, self.pool.rows, self.pool_offsets[group], a.data,
-                        torch.stack([a.kind_base[m] for m in members]), max_rows_per_seg=self.max_rows)
-        self.kernel_plans[group] = (launched, out)
+                        torch.stack([a.kind_base[m] for m in members]), max_rows_per_seg=self.max_rows,
+                        resident=self.page_map())
+        self.kernel_plans[group] = (sel, out)
         counts = out.counts if self.real is None else out.counts * self.real[:, None]   # padding not counted
-        unique, misses = counts.sum(0)
-        n = len(members)
-        self.kernel_counts[:3] += torch.stack((n * (unique - misses), n * misses, (n - 1) * misses))
+        self.count_plan(group, *counts.sum(0))
+
+    def count_plan(self, group: int, unique: torch.Tensor, misses: torch.Tensor, resident: torch.Tensor) -> None:
+        """Add an index group's device counts (distinct positions, misses, resident positions) for every member
+        layer to the device counters (hits, misses, overlapped copies, resident hits)."""
+        n = len(self.members[group])
+        self.kernel_counts += torch.stack((n * (unique - misses - resident), n * misses, (n - 1) * misses,
+                                           n * resident))
 
     def plan_static(self, group: int, seg: torch.Tensor, sel: torch.Tensor) -> StaticPlan:
         """`plan_group` of a static step (CPU: the pool is on the device): every entry's host row is fetched and
@@ -370,16 +362,14 @@ class HiSparseKV(DeviceBudget, HybridPages, LatentKV):
         a, members = self.arena, self.members[group]
         plan = resolve_static(self.hot[group], self.step_slot, self.tables.start, self.step_row0, self.win_lo,
                               self.win_len, self.sinks, self.window, seg, sel, self.stamp, self.real,
-                              self.max_rows * sel.shape[1] > self.n_slots)
+                              self.max_rows * sel.shape[1] > self.n_slots, self.page_map())
         host_rows = paged_rows(self.tables.pages, plan.seg, plan.pos, self.page_tokens)
         filled = plan.fill_dest >= 0
         for member in members:
             fetched = torch.index_select(self.pool.layer_view(member), 0, host_rows)
             a.data.index_copy_(0, torch.where(filled, a.hot_base[member] + plan.fill_dest, a.scratch_row), fetched)
             self.fetched[member] = (fetched, None)
-        unique, misses = plan.counts
-        n = len(members)
-        self.kernel_counts[:3] += torch.stack((n * (unique - misses), n * misses, (n - 1) * misses))
+        self.count_plan(group, *plan.counts)
         return plan
 
     def plan_group(self, group: int, seg: torch.Tensor, sel: torch.Tensor) -> Plan:
@@ -387,7 +377,7 @@ class HiSparseKV(DeviceBudget, HybridPages, LatentKV):
         misses from the host pool now (side stream on CUDA), so the followers' copies overlap the owner's
         attention."""
         plan = resolve(self.hot[group], self.step_slot, self.tables.start, self.step_row0, self.win_lo,
-                       self.win_len, self.sinks, self.window, seg, sel, self.step)
+                       self.win_len, self.sinks, self.window, seg, sel, self.step, self.page_map())
         a = self.arena
         host_rows = paged_rows(self.tables.pages, plan.miss_seg, plan.miss_pos, self.page_tokens).cpu()
         for member in self.members[group]:

@@ -3,8 +3,9 @@
 // torch path's masked scatters write), for inputs that path accepts; single-threaded.
 //
 // Entries (key = segment << 40 | position, sorted, then NO_KEY) come in runs of one segment each, and each
-// segment is one request slot r (checked), so the LRU update of r depends only on its own run: a hash of r's
-// hot buffer finds the hits, and the misses take r's least recently used slots not hit this step.
+// segment is one request slot r (checked), so the LRU update of r depends only on its own run: a position on a
+// resident page (hybrid offload: the segment's page map) reads its page, a hash of r's hot buffer finds the hits,
+// and the misses take r's least recently used slots not hit this step.
 
 #include <algorithm>
 #include <cstdint>
@@ -19,8 +20,8 @@ constexpr int KEY_SHIFT = 40;                                       // resolver.
 constexpr int64_t KEY_MASK = (int64_t(1) << KEY_SHIFT) - 1;
 constexpr int64_t NO_KEY = std::numeric_limits<int64_t>::max();
 constexpr int64_t EMPTY = -1;
-enum Kind : int64_t { STEP = 0, WINDOW = 1, HOT = 2, EXTRA = 3, NONE = 4 };
-enum Error : int { OK = 0, BAD_SEGMENT = 1, BAD_SLOT = 2, SHARED_SLOT = 3, NO_MEMORY = 4 };
+enum Kind : int64_t { STEP = 0, WINDOW = 1, HOT = 2, EXTRA = 3, NONE = 4, PAGE = 5 };
+enum Error : int { OK = 0, BAD_SEGMENT = 1, BAD_SLOT = 2, SHARED_SLOT = 3, NO_MEMORY = 4, BAD_PAGE = 5 };
 
 // Python's floor modulo (torch's % on integers).
 inline int64_t floor_mod(int64_t a, int64_t b) {
@@ -73,14 +74,17 @@ struct Run { int64_t begin, end, seg, slot; };                       // entries 
 extern "C" {
 
 // seg [n_rows], sel [n_rows, k] (-1 padded); slot_of_seg, step_start, step_row0 [n_seg]; win_lo, win_len [n_win];
-// hot_pos, hot_stamp [hot_slots * n_slots + 1] (updated in place). out [7, n_rows * k + 1]: keys, kind, local,
-// extra, then miss_seg, miss_pos, miss_dest in their first counts[2] columns. counts: n_unique, n_transient,
-// n_misses. Returns an Error; on BAD_SEGMENT, BAD_SLOT and SHARED_SLOT nothing is written to hot_pos/hot_stamp.
+// hot_pos, hot_stamp [hot_slots * n_slots + 1] (updated in place); seg_pages [n_seg, max_pages] the device page
+// of each segment's pages (-1: host only; null: no resident pages), page_stamp [n_pages + 1] (updated in place).
+// out [7, n_rows * k + 1]: keys, kind, local, extra, then miss_seg, miss_pos, miss_dest in their first counts[2]
+// columns. counts: n_unique, n_transient, n_misses, n_resident. Returns an Error; on BAD_SEGMENT, BAD_SLOT,
+// SHARED_SLOT and BAD_PAGE nothing is written to hot_pos/hot_stamp/page_stamp.
 int hisparse_resolve(const int64_t* seg, const int64_t* sel, int64_t n_rows, int64_t k,
                      const int64_t* slot_of_seg, const int64_t* step_start, const int64_t* step_row0, int64_t n_seg,
                      const int64_t* win_lo, const int64_t* win_len, int64_t n_win, int64_t sinks, int64_t window,
                      int64_t* hot_pos, int64_t* hot_stamp, int64_t hot_slots, int64_t n_slots, int64_t stamp,
-                     int64_t* out, int64_t* counts) {
+                     const int64_t* seg_pages, int64_t max_pages, int64_t page_tokens, int64_t* page_stamp,
+                     int64_t n_pages, int64_t* out, int64_t* counts) {
     try {
         const int64_t E = n_rows * k, width = E + 1;
         int64_t *keys = out, *kind = out + width, *local = out + 2 * width, *extra = out + 3 * width;
@@ -111,6 +115,12 @@ int hisparse_resolve(const int64_t* seg, const int64_t* sel, int64_t n_rows, int
             if (s < 0 || s >= n_seg) return BAD_SEGMENT;
             const int64_t r = slot_of_seg[s];
             if (r < 0 || r >= n_win || (n_slots && r >= hot_slots)) return BAD_SLOT;
+            if (seg_pages) {                                            // the run's pages are mapped and in range
+                const int64_t last = (keys[e - 1] & KEY_MASK) / page_tokens;
+                if (last >= max_pages) return BAD_PAGE;
+                for (int64_t q = 0; q <= last; ++q)
+                    if (seg_pages[s * max_pages + q] >= n_pages) return BAD_PAGE;
+            }
             runs.push_back({i, e, s, r});
             slots.push_back(r);
             i = e;
@@ -121,7 +131,7 @@ int hisparse_resolve(const int64_t* seg, const int64_t* sel, int64_t n_rows, int
         static thread_local SlotMap map;
         static thread_local std::vector<int64_t> hits, misses, order;
         static thread_local std::vector<std::pair<int64_t, int64_t>> lru;   // (stamp, slot) of the victims
-        int64_t n_unique = 0, n_transient = 0, n_miss = 0;
+        int64_t n_unique = 0, n_transient = 0, n_miss = 0, n_resident = 0;
         for (const Run& run : runs) {
             const int64_t s = run.seg, r = run.slot, start = step_start[s], row0 = step_row0[s];
             const int64_t lo = win_lo[r], len = win_len[r], base = r * n_slots;
@@ -134,7 +144,13 @@ int hisparse_resolve(const int64_t* seg, const int64_t* sel, int64_t n_rows, int
                 n_unique += head;
                 kind[i] = NONE;
                 local[i] = 0;
-                if (p >= start) {
+                const int64_t d = seg_pages ? seg_pages[s * max_pages + p / page_tokens] : EMPTY;
+                if (d >= 0) {
+                    kind[i] = PAGE;
+                    local[i] = d * page_tokens + p % page_tokens;
+                    page_stamp[d] = stamp;
+                    n_resident += head;
+                } else if (p >= start) {
                     kind[i] = STEP;
                     local[i] = row0 + p - start;
                 } else if (p < sinks || (p >= lo && p < len)) {
@@ -209,9 +225,11 @@ int hisparse_resolve(const int64_t* seg, const int64_t* sel, int64_t n_rows, int
         const int64_t scratch = hot_slots * n_slots;
         hot_stamp[scratch] = stamp;
         if (n_slots && n_miss) hot_pos[scratch] = 0;
+        if (seg_pages) page_stamp[n_pages] = stamp;                     // (every non-resident entry's scatter)
         counts[0] = n_unique;
         counts[1] = n_transient;
         counts[2] = n_miss;
+        counts[3] = n_resident;
         return OK;
     } catch (const std::bad_alloc&) {
         return NO_MEMORY;
