@@ -148,17 +148,3 @@ class ResidentPages:
     def count(self, host_pages: Iterable[int]) -> int:
         """How many of these host pages (one request's) are resident."""
         return sum(h in self.dev_of for h in host_pages)
-
-    def locate(self, d: torch.Tensor, sel: torch.Tensor, pos: torch.Tensor, page_tokens: int, stamp: torch.Tensor,
-               every: bool = False) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """For a selection sel [n, k] (-1 padded; pos: sel clamped at 0) whose positions lie on device pages d
-        [n, k] (-1: host only): which are resident, and their row in the page region (device page * P + position
-        % P); stamps the pages used with the current step (`stamp`, a 0-dim device tensor). `every`: every page of
-        the selection's requests is resident (fewer ops: no mask, None, since every valid entry is; a padded entry
-        then stamps its request's first page, which only keeps that page resident longer)."""
-        if every:
-            self.stamp.index_fill_(0, d.flatten(), stamp)
-            return None, d * page_tokens + pos % page_tokens
-        hit = (sel >= 0) & (d >= 0)
-        self.stamp.index_fill_(0, torch.where(hit, d, self.n_pages).flatten(), stamp)
-        return hit, d.clamp(min=0) * page_tokens + pos % page_tokens

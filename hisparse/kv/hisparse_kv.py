@@ -200,9 +200,8 @@ class HiSparseKV(DeviceBudget, HybridPages, LatentKV):
 
     def end_step_device(self) -> None:
         """Back the step's new rows up to the host pool (torch path: every KV-owning layer's in one copy), move the
-        newest into the resident windows (one gather and one scatter for every KV-owning layer at once), into
-        their resident pages when the step did not split its selections (hybrid.py), and advance every written
-        request's window bounds (in place: a captured step replays on the same tensors). An eager all-resident
+        newest into the resident windows (one gather and one scatter for every KV-owning layer at once; `write`
+        put them in their resident pages), and advance every written request's window bounds (in place: a captured step replays on the same tensors). An eager all-resident
         decode step only backs its rows up (hybrid.py: `resident_decode`)."""
         if self.step_rows is None:
             return
