@@ -178,7 +178,7 @@ def entries(hot: HotSlots, slot_of_seg: torch.Tensor, step_start: torch.Tensor, 
         d = pages.page_of(e_seg, e_pos)
         on_page = valid & (d >= 0)
         page = torch.where(on_page, d, pages.stamp.numel() - 1)
-        pages.stamp[page] = stamp
+        pages.stamp.index_fill_(0, page, stamp)
         page_row = page * pages.page_tokens + e_pos % pages.page_tokens
     in_step = valid & ~on_page & (e_pos >= step_start[e_seg])
     in_win = valid & ~on_page & ~in_step & ((e_pos < sinks) | ((e_pos >= win_lo[r]) & (e_pos < win_len[r])))
