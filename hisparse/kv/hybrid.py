@@ -20,6 +20,8 @@ import torch
 
 from ..gpu_working_set.resolver import PageMap
 
+MIN_SPILL_SHARE = 1 / 8   # below this share of a step's pages resident, new pages do not spill others
+
 
 class HybridPages:
     """Resident pages of a HiSparse store (see the module docstring); `resident` is None without a budget."""
@@ -38,10 +40,13 @@ class HybridPages:
             self.grow_pages(res.resident + held - n_resident)
         written = [h for s in segments for h in tables[s.req][s.start // P: -(-(s.start + s.length) // P)]]
         if any(len(tables[s.req]) > self.placed.get(s.req, 0) for s in segments):
-            keep = set(written)
+            # with few of the step's pages resident (a saturated device), a new page takes a free device page only:
+            # it sits in its request's window until the window moves on, so spilling a page that selections read
+            # from the device for it gains nothing, and would cycle the few device pages through the newest pages
+            spill, keep = n_resident >= MIN_SPILL_SHARE * held, set(written)
             for s in segments:
                 pages = tables[s.req]
-                res.place(pages[self.placed.get(s.req, 0):], keep)
+                res.place(pages[self.placed.get(s.req, 0):], keep, spill)
                 self.placed[s.req] = len(pages)
         if res.free and held > n_resident:
             back = [pair for s in segments if res.free for pair in res.readmit(tables[s.req])]
