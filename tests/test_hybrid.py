@@ -186,3 +186,22 @@ def test_windows_left_by_all_resident_decode_steps_are_reloaded(model):
         nxt = step(nxt, [Segment("a", n["a"], 1), Segment("b", n["b"], 1)])
         n = {r: p + 1 for r, p in n.items()}
     assert kv.stats.misses > 0
+
+
+@pytest.mark.parametrize(("b_len", "spills"), [(4 * PAGE, True), (20 * PAGE, False)])
+def test_new_pages_spill_only_while_the_step_keeps_a_resident_share(model, b_len: int, spills: bool):
+    """Two device pages, held by "a" (2 pages). "b" joins while "a" decodes into a third page: with 4 pages for
+    "b" the step holds 2 of 7 resident (above 1/8) and its new pages spill a's; with 20 (2 of 23, below 1/8) they
+    take no device page and a's pages stay, since a new page sits in its window and spilling a page the step
+    reads from the device gains nothing. Logits equal ResidentKV's either way."""
+    kv, ref = hybrid(model.cfg, "fp8_ds_mla", 2, slots=2), ResidentKV(model.cfg, "fp8_ds_mla")
+    g = torch.Generator().manual_seed(5)
+    a, b = (torch.randint(0, model.cfg.vocab_size, (n,), generator=g) for n in (2 * PAGE + 1, b_len))
+    steps = ((a[:-1], [Segment("a", 0, 2 * PAGE)]),
+             (torch.cat((a[-1:], b)), [Segment("a", 2 * PAGE, 1), Segment("b", 0, b_len)]))
+    for toks, segs in steps:
+        assert torch.equal(model(toks, segs, ref), model(toks, segs, kv))
+        check_invariants(kv)
+    first_two = set(kv.pages.tables["a"][:2])
+    assert (kv.resident.spilled_pages > 0) == spills
+    assert (set(kv.resident.dev_of) == first_two) != spills

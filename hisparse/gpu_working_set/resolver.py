@@ -217,11 +217,12 @@ def resolve_torch(hot: HotSlots, slot_of_seg: torch.Tensor, step_start: torch.Te
         fill = torch.zeros_like(miss)
     transient = miss & ~fill
 
-    kind, local = classify(on_page, page_row, in_step, in_win, hit | fill, miss & ~fill, found, e_seg, e_pos, r,
+    kind, local = classify(on_page, page_row, in_step, in_win, hit | fill, transient, found, e_seg, e_pos, r,
                            step_start, step_row0, window, sinks)
     miss_dest = torch.where(fill[miss_idx], found[miss_idx], EMPTY)
+    n_unique, n_transient, n_resident = torch.stack((head.sum(), transient.sum(), (head & on_page).sum())).tolist()
     return Plan(keys, kind, local, torch.cumsum(miss.long(), 0) - 1, e_seg[miss_idx], e_pos[miss_idx], miss_dest,
-                int(head.sum()), int(transient.sum()), int((head & on_page).sum()))
+                n_unique, n_transient, n_resident)
 
 
 def classify(on_page: torch.Tensor, page_row: torch.Tensor, in_step: torch.Tensor, in_win: torch.Tensor,
