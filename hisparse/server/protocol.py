@@ -25,15 +25,26 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-SURROGATE = re.compile("[\ud800-\udfff]")
 TOKEN_ID = re.compile(r"-?[0-9]+")
+
+
+def has_surrogate(text: str) -> bool:
+    """Whether `text` holds a lone surrogate: the one code point UTF-8 cannot encode, so the C encoder finds it
+    (a million-token prompt in milliseconds; validation runs on the event loop, which must not wait)."""
+    if text.isascii():
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def surrogate_at(value: Any, path: str) -> str | None:
     """The path of the first string in `value` holding a lone surrogate (JSON's \\ud800 escapes decode to one;
     it is not Unicode and can be neither tokenized faithfully nor sent back), or None."""
     if isinstance(value, str):
-        return path if SURROGATE.search(value) else None
+        return path if has_surrogate(value) else None
     if isinstance(value, dict):
         items = value.items()
     elif isinstance(value, list) and value and isinstance(value[0], (str, list, dict)):
@@ -41,7 +52,7 @@ def surrogate_at(value: Any, path: str) -> str | None:
     else:     # numbers, and lists of them (token ids): nothing to check
         return None
     for k, v in items:
-        if isinstance(k, str) and SURROGATE.search(k):
+        if isinstance(k, str) and has_surrogate(k):
             return f"{path}.{ascii(k)}" if path else ascii(k)
         found = surrogate_at(v, f"{path}.{k}" if path else str(k))
         if found:
