@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import ast
 import bisect
+import hashlib
 import itertools
 import json
 import os
@@ -186,10 +187,12 @@ def run_tests(tree: Path, targets: tuple[str, ...], timeout: float | None) -> tu
 def coverage_map(out: Path, tests: str) -> dict[str, dict[int, list[str]]]:
     """path -> line -> the tests (pytest node ids, parameters folded) that run it, from one coverage run of the
     quick suite with a context per test function (cached in <out>/coverage-map.json; needs `pip install coverage`).
-    Lines that only spawned processes run (DCP ranks) have no test here."""
+    Lines that only spawned processes run (DCP ranks) have no test here. The cache is keyed by the sources and
+    tests it was made from: after any change to them it is made again (its line numbers would name other code)."""
     cache = out / "coverage-map.json"
-    if cache.exists():
-        return {f: {int(k): v for k, v in lines.items()} for f, lines in json.loads(cache.read_text()).items()}
+    key = sources_key(tests)
+    if cache.exists() and (cached := json.loads(cache.read_text())).get("key") == key:
+        return {f: {int(k): v for k, v in lines.items()} for f, lines in cached["lines"].items()}
     with tempfile.TemporaryDirectory() as tmp:
         rc = Path(tmp) / "coveragerc"
         rc.write_text(f"[run]\nsource = hisparse\ndynamic_context = test_function\ndata_file = {tmp}/.coverage\n")
@@ -204,8 +207,17 @@ def coverage_map(out: Path, tests: str) -> dict[str, dict[int, list[str]]]:
     files = json.loads((out / "coverage.json").read_text())["files"]
     by_line = {path: {int(line): sorted(filter(None, map(node_id, ctxs))) for line, ctxs in f["contexts"].items()}
                for path, f in files.items()}
-    cache.write_text(json.dumps(by_line))
+    cache.write_text(json.dumps({"key": key, "lines": by_line}))
     return by_line
+
+
+def sources_key(tests: str) -> str:
+    """A digest of the package's and the test suite's files as they are now, and of what the coverage run runs."""
+    h = hashlib.sha256(tests.encode())
+    for path in sorted(p for d in ("hisparse", "tests") for p in (ROOT / d).rglob("*") if p.is_file()
+                       and "__pycache__" not in p.parts):
+        h.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()
 
 
 def node_id(context: str) -> str | None:
