@@ -79,7 +79,6 @@ class HiSparseKV(DeviceBudget, HybridPages, LatentKV):
         self.page_count: dict[Hashable, tuple[int, int, int]] = {}   # request -> (map version, pages, resident)
         self.resident_split: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # group -> (selection, page rows)
         self.seg_pages: torch.Tensor | None = None   # per step: [S, max_pages] device page (-1: host only)
-        self.seg_base: tuple[torch.Tensor, torch.Tensor] | None = None   # per step: (rows' segments, their offset)
         self.all_resident = False   # per step: every page of every request of the step is resident
         self.writes_pages = False   # per step: some of its rows go to resident pages (hybrid.py)
         self.stale_windows: set[Hashable] = set()   # requests whose windows missed all-resident decode steps
@@ -154,7 +153,6 @@ class HiSparseKV(DeviceBudget, HybridPages, LatentKV):
 
     def forget_step(self) -> None:
         self.step_rows = self.step_page_rows = self.step_page_dest = self.located = self.seg_pages = None
-        self.seg_base = None
         self.plans.clear()
         self.fetched.clear()
         self.kernel_plans.clear()
@@ -261,7 +259,7 @@ class HiSparseKV(DeviceBudget, HybridPages, LatentKV):
         if self.step_rows is None:    # the same rows every KV-owning layer
             self.step_rows = (seg, positions)
             if self.writes_pages:     # their rows within a page region (-1: host only), once per step
-                d = self.page_of(seg, positions)
+                d = self.page_map().page_of(seg, positions)
                 self.step_page_rows = torch.where(d >= 0, d * self.page_tokens + positions % self.page_tokens, -1)
                 # [O, n] every KV owner's arena rows of them (host-only positions: the scratch row)
                 self.step_page_dest = (a.owner_page_base + self.step_page_rows if self.all_resident else

@@ -118,7 +118,7 @@ class HybridPages:
         cached = self.resident_split.get(group)
         if cached is None or cached[0] is not sel:      # members of a group share the selection
             pos = sel.clamp(min=0)
-            d = self.page_of(seg, pos)
+            d = self.page_map().page_of(seg[:, None], pos)
             self.resident.stamp.index_fill_(0, d.flatten(), self.stamp)
             prow = d * self.page_tokens + pos % self.page_tokens
             if cached is None:   # the group's own selection: every selected position is resident (host-known)
@@ -128,15 +128,6 @@ class HybridPages:
             prow = cached[1]
         idx = self.arena.page_base[self.source(layer)] + prow
         return idx if empty is None else torch.where(sel >= 0, idx, empty)
-
-    def page_of(self, seg: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The device page (-1: host only) of positions [n, ...] >= 0 of the rows' segments seg [n], one flat
-        gather."""
-        dev = self.page_map().dev
-        if self.seg_base is None or self.seg_base[0] is not seg:     # the layers of a step share their rows
-            base = seg * dev.shape[1]
-            self.seg_base = (seg, base, base[:, None])
-        return torch.take(dev, self.seg_base[positions.dim()] + positions // self.page_tokens)
 
     def resident_rows(self) -> int:
         """Latent rows (token positions x KV owners) held in resident pages now."""
