@@ -9,7 +9,7 @@ listed in `equivalent.json` (id -> reason, kept by hand) count as equivalent and
 
     pip install coverage     # (the default --select coverage)
     python -m benchmarks.test_strength.mutate [--modules resolver,scheduler] [--max-per-module 40] [--seed 0]
-        [--select coverage|table] [--out benchmarks/results/test_strength] [--list] [--report-only]
+        [--select coverage|table] [--jobs 2] [--out benchmarks/results/test_strength] [--list] [--report-only]
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import hashlib
 import itertools
 import json
 import os
+import queue
 import random
 import re
 import shutil
@@ -29,8 +30,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from xml.etree import ElementTree
 
 from tqdm import tqdm
 
@@ -188,32 +191,47 @@ def run_tests(tree: Path, targets: tuple[str, ...], timeout: float | None) -> tu
     return ("killed" if proc.returncode else "survived"), time.perf_counter() - t0
 
 
-def coverage_map(out: Path, tests: str) -> dict[str, dict[int, list[str]]]:
-    """path -> line -> the tests (pytest node ids, parameters folded) that run it, from one coverage run of the
-    quick suite with a context per test function (cached in <out>/coverage-map.json; needs `pip install coverage`).
-    Lines that only spawned processes run (DCP ranks) have no test here. The cache is keyed by the sources and
-    tests it was made from: after any change to them it is made again (its line numbers would name other code)."""
+def coverage_map(out: Path, tests: str) -> tuple[dict[str, dict[int, list[str]]], dict[str, float]]:
+    """(path -> line -> the tests (pytest node ids, parameters folded) that run it, test -> its seconds), from one
+    coverage run of the quick suite with a context per test function (cached in <out>/coverage-map.json; needs
+    `pip install coverage`). Lines that only spawned processes run (DCP ranks) have no test here. The cache is keyed
+    by the sources and tests it was made from: after any change to them it is made again (its line numbers would
+    name other code)."""
     cache = out / "coverage-map.json"
     key = sources_key(tests)
     if cache.exists() and (cached := json.loads(cache.read_text())).get("key") == key:
-        return {f: {int(k): v for k, v in lines.items()} for f, lines in cached["lines"].items()}
+        return ({f: {int(k): v for k, v in lines.items()} for f, lines in cached["lines"].items()},
+                cached["seconds"])
     with tempfile.TemporaryDirectory() as tmp:
         rc = Path(tmp) / "coveragerc"
         rc.write_text(f"[run]\nsource = hisparse\ndynamic_context = test_function\ndata_file = {tmp}/.coverage\n")
         env = dict(os.environ, HISPARSE_TEST_SEED="1", OMP_NUM_THREADS="1")
         deselect = [arg for test in WALL_CLOCK for arg in ("--deselect", test)]
         run = subprocess.run([sys.executable, "-m", "coverage", "run", f"--rcfile={rc}", "-m", "pytest", "-q", "-p",
-                              "no:cacheprovider", "-m", "not slow", *deselect, *tests.split(",")], cwd=ROOT, env=env)
+                              "no:cacheprovider", "-m", "not slow", f"--junitxml={tmp}/junit.xml", *deselect,
+                              *tests.split(",")], cwd=ROOT, env=env)
         if run.returncode:     # a failing suite would make every mutant look killed
             raise SystemExit(f"the tests fail without a mutant (pytest exited {run.returncode}); fix them first")
         subprocess.run([sys.executable, "-m", "coverage", "json", f"--rcfile={rc}", "--show-contexts", "-o",
                         f"{tmp}/cov.json"], cwd=ROOT, env=env, check=True)
         shutil.copy(Path(tmp) / "cov.json", out / "coverage.json")    # (kept: the run takes a while)
+        seconds = timed_tests(Path(tmp) / "junit.xml")
     files = json.loads((out / "coverage.json").read_text())["files"]
     by_line = {path: {int(line): sorted(filter(None, map(node_id, ctxs))) for line, ctxs in f["contexts"].items()}
                for path, f in files.items()}
-    cache.write_text(json.dumps({"key": key, "lines": by_line}))
-    return by_line
+    cache.write_text(json.dumps({"key": key, "lines": by_line, "seconds": seconds}))
+    return by_line, seconds
+
+
+def timed_tests(junit: Path) -> dict[str, float]:
+    """Each test function's seconds (its parameters summed) from a pytest junit report; the times are traced ones,
+    so they order tests and bound runs rather than predict them."""
+    seconds: dict[str, float] = {}
+    for case in ElementTree.parse(junit).iter("testcase"):
+        test = node_id(f"{case.get('classname')}.{case.get('name', '').split('[')[0]}")
+        if test is not None:
+            seconds[test] = seconds.get(test, 0.0) + float(case.get("time", 0.0))
+    return seconds
 
 
 def sources_key(tests: str) -> str:
@@ -234,30 +252,38 @@ def node_id(context: str) -> str | None:
     return None if i is None else "::".join([f"tests/{parts[i]}.py", *parts[i + 1:]])
 
 
-def targets_of(m: Mutant, covered: dict[str, dict[int, list[str]]] | None) -> tuple[str, ...]:
-    """The tests a mutant runs against: those that cover its line, else (no coverage map, or a line only spawned
-    processes run) its module's table entry."""
+def targets_of(m: Mutant, covered: dict[str, dict[int, list[str]]] | None,
+               seconds: dict[str, float]) -> tuple[str, ...]:
+    """The tests a mutant runs against, quickest first (with `-x` a killed mutant stops at its first failing test):
+    those that cover its line, else (no coverage map, or a line only spawned processes run) its module's table
+    entry."""
     tests = (covered or {}).get(m.path, {}).get(m.line)
-    return tuple(tests) if tests else MODULES[m.module][1]
+    return tuple(sorted(tests, key=lambda t: seconds.get(t, 0.0))) if tests else MODULES[m.module][1]
 
 
-def run_mutant(tree: Path, m: Mutant, timeout: float, covered: dict[str, dict[int, list[str]]] | None) -> dict:
-    """The result record of one mutant: its source put into tree, its tests run, the original put back."""
+def run_mutant(tree: Path, m: Mutant, timeout: float, covered: dict[str, dict[int, list[str]]] | None,
+               seconds: dict[str, float]) -> dict:
+    """The result record of one mutant: its source put into tree, its tests run, the original put back. With a
+    coverage map the time limit is 3x the covering tests' traced seconds plus a minute (pytest's start-up), at most
+    timeout."""
+    targets = targets_of(m, covered, seconds)
+    if covered is not None and m.line in covered.get(m.path, {}):
+        timeout = min(timeout, 60.0 + 3 * sum(seconds.get(t, 0.0) for t in targets))
     try:
         compile(m.source, m.path, "exec")
     except SyntaxError:
-        status, seconds = "invalid", 0.0
+        status, took = "invalid", 0.0
     else:
         file = tree / m.path
         original = file.read_bytes()
         put(file, m.source)
         try:
-            status, seconds = run_tests(tree, targets_of(m, covered), timeout)
+            status, took = run_tests(tree, targets, timeout)
         finally:
             put(file, original)
     return {"id": m.id, "module": m.module, "path": m.path, "line": m.line, "operator": m.operator,
-            "original": m.original, "mutated": m.mutated, "status": status, "seconds": round(seconds, 1),
-            "tests": len(targets_of(m, covered)) if covered and m.line in covered.get(m.path, {}) else "table"}
+            "original": m.original, "mutated": m.mutated, "status": status, "seconds": round(took, 1),
+            "tests": len(targets) if covered and m.line in covered.get(m.path, {}) else "table"}
 
 
 def load_done(path: Path, mutants: list[Mutant]) -> dict[str, dict]:
@@ -306,6 +332,7 @@ def main() -> None:
                          "first, cached; lines only spawned processes run fall back to the table), or its module's "
                          "table entry")
     ap.add_argument("--coverage-tests", default="tests", help="what the coverage run runs (comma-separated)")
+    ap.add_argument("--jobs", type=int, default=1, help="mutants tested at once, each in its own copy of the tree")
     ap.add_argument("--timeout", type=float, default=600.0,
                     help="seconds a mutant's covering tests may run (a table run: 3x its module's baseline)")
     args = ap.parse_args()
@@ -325,28 +352,41 @@ def main() -> None:
                         *(a for a in sys.argv[1:] if a != "--report-only")])
     unmutated: dict[str, dict] = {}     # module -> its tests' run without a mutant: passed, seconds
     if not args.report_only:
-        covered = coverage_map(out, args.coverage_tests) if args.select == "coverage" else None
-        with tempfile.TemporaryDirectory() as tmp, tqdm(total=sum(map(len, selected.values())), initial=len(done),
-                                                         desc="mutants") as bar:
-            tree = Path(tmp)
-            tree_copy(tree)
+        covered, seconds = coverage_map(out, args.coverage_tests) if args.select == "coverage" else (None, {})
+        with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(args.jobs) as pool:
+            trees = [Path(tmp) / str(i) for i in range(args.jobs)]     # one copy of HEAD per concurrent mutant
+            for tree in trees:
+                tree_copy(tree)
+            free = queue.SimpleQueue()
+            for tree in trees:
+                free.put(tree)
+            limits = {}     # module -> its mutants' time limit
             for name, mutants in selected.items():
-                if not (todo := [m for m in mutants if m.id not in done]):
+                if not any(m.id not in done for m in mutants):
                     continue
                 # (with a coverage map the suite passed unmutated in the coverage run)
-                status, baseline = run_tests(tree, MODULES[name][1], None) if covered is None else ("survived", 0.0)
+                status, baseline = run_tests(trees[0], MODULES[name][1], None) if covered is None else ("survived", 0)
                 unmutated[name] = {"passed": status == "survived", "seconds": round(baseline, 1)}
-                if status != "survived":
+                if status == "survived":
+                    limits[name] = args.timeout if covered is not None else max(60.0, 3 * baseline)
+                else:
                     print(f"{name}: its tests fail without a mutant; skipped", flush=True)
-                    bar.update(len(todo))
-                    continue
-                for m in todo:
-                    limit = args.timeout if covered is not None else max(60.0, 3 * baseline)
-                    done[m.id] = rec = run_mutant(tree, m, limit, covered)
+
+            def one(m: Mutant) -> dict:
+                tree = free.get()
+                try:
+                    return run_mutant(tree, m, limits[m.module], covered, seconds)
+                finally:
+                    free.put(tree)
+
+            todo = [m for ms in selected.values() for m in ms if m.id not in done and m.module in limits]
+            with tqdm(total=len(todo), desc="mutants") as bar:
+                for rec in pool.map(one, todo):
+                    done[rec["id"]] = rec
                     with log.open("a") as f:
                         f.write(json.dumps(rec) + "\n")
-                    statuses = [r["status"] for r in done.values() if r["module"] == name]
-                    bar.set_postfix(module=name, killed=statuses.count("killed") + statuses.count("timeout"),
+                    statuses = [r["status"] for r in done.values()]
+                    bar.set_postfix(module=rec["module"], killed=statuses.count("killed") + statuses.count("timeout"),
                                     survived=statuses.count("survived"), refresh=False)
                     bar.update()
     report(out, selected, done, unmutated, command)
