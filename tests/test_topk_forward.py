@@ -76,3 +76,49 @@ def test_topk_indexer_loss_trains_only_the_indexers(seed: int):
     F.cross_entropy(logits[:-1], tokens[0, 1:]).backward()
     assert all(p.grad is None or p.grad.abs().sum() == 0 for n, p in model.named_parameters() if ".indexer." in n)
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.named_parameters() if ".wkv_b." in n)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 45])
+def test_query_chunks_change_no_value(seed: int, chunk: int):
+    """Checkpointed query chunks (sizes that do and do not divide the batch's rows) give the logits and the indexer
+    KL of the one-piece forward bit for bit, and its gradients up to the order in which chunks add them (fp64)."""
+    model = tiny_model(seed, sharp=False).train()
+    T = 30
+    tokens = torch.stack([random_tokens(T, model.cfg.vocab_size, seed),
+                          random_tokens(T, model.cfg.vocab_size, seed + 3)])
+
+    def run(query_chunk: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        logits, kl = topk_forward(model, tokens, 4, query_chunk)
+        (F.cross_entropy(logits, tokens.flatten()) + kl).backward()
+        return logits.detach(), kl.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                               if p.grad is not None}
+
+    ref_logits, ref_kl, ref_grads = run(2 * T)
+    logits, kl, grads = run(chunk)
+    assert torch.equal(logits, ref_logits) and torch.equal(kl, ref_kl)
+    assert grads.keys() == ref_grads.keys() and any(".indexer." in n for n in grads)
+    for name, g in grads.items():
+        assert torch.allclose(g, ref_grads[name], rtol=1e-10, atol=1e-13), name
+
+
+def test_query_chunks_bound_what_autograd_keeps(seed: int):
+    """The bytes autograd saves for the backward pass: the one-piece forward keeps each query's K gathered rows
+    (O(T K)), the chunked one keeps per-row tensors only, so at a candidate set as wide as the sequence it keeps
+    under a third as much."""
+    model = tiny_model(seed, dtype=torch.float32, sharp=False).train()
+    T = 256
+    tokens = random_tokens(T, model.cfg.vocab_size, seed)[None]
+
+    def saved_bytes(query_chunk: int) -> int:
+        total = 0
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            nonlocal total
+            total += t.numel() * t.element_size()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            topk_forward(model, tokens, T, query_chunk)
+        return total
+
+    assert saved_bytes(16) * 3 < saved_bytes(T)

@@ -2,10 +2,11 @@
 comparison, `+`/`-` or `and`/`or` swapped, a small int or a bool changed, a `not` dropped), found with `ast` and made
 by editing only that token's text in a copy of the tree (HEAD); the tests that run its line (`--select coverage`:
 one coverage run of the quick suite with a context per test function, cached) or its module's table entry then
-run once with a fixed test seed. A mutant is killed when they fail or time out, survives when they pass, and is invalid (not counted) when it
-does not compile. Each has a stable id `module:line:col:operator`; results are appended to `<out>/mutants.jsonl`, so
-a run resumes where one stopped, and `<out>/mutation.json` holds the score per module and the survivors. Survivors
-listed in `equivalent.json` (id -> reason, kept by hand) count as equivalent and leave the score.
+run once with a fixed test seed, quickest first and stopping at the first failure. A mutant is killed when they
+fail or time out, survives when they pass, and is invalid (not counted) when it does not compile. Each has a
+stable id `module:line:col:operator`; results are appended to `<out>/mutants.jsonl`, so a run resumes where one
+stopped, and `<out>/mutation.json` holds the score per module and the survivors. Survivors listed in
+`equivalent.json` (id -> reason, kept by hand) count as equivalent and leave the score.
 
     pip install coverage     # (the default --select coverage)
     python -m benchmarks.test_strength.mutate [--modules resolver,scheduler] [--max-per-module 40] [--seed 0]

@@ -13,6 +13,13 @@ input. DeepSeek-V3.2 takes C_t = Sel(t); here C_t = Sel(t) plus the `recent` new
 nearby key that far-away look-alikes crowded out of Sel(t) still pulls the indexer back up (at long lengths that
 crowding, not the needle, is what breaks). The model's attention itself reads Sel(t) only, as at inference.
 Sharers attend over their owner's Sel(t).
+
+Memory: what a query reads (its K gathered latent rows, rope keys and indexer keys, and the logits over them)
+is computed for `query_chunk` queries at a time under activation checkpointing, so the autograd graph keeps only
+each chunk's inputs and the pieces are rebuilt one chunk at a time in the backward pass. Peak memory then grows
+with T (the per-row tensors) rather than with T k (the gathers): at 128k the unchunked forward needs ~50 GB.
+Values are the unchunked ones: each query's logits and output are computed by the same per-row operations; only
+the order in which the chunks' gradients add up differs.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from ..model.indexer import Indexer
 from ..model.ml4 import ML4, Block
@@ -40,6 +48,7 @@ class TopkBatchState:
     B: int
     T: int
     recent: int
+    query_chunk: int
     positions: torch.Tensor                 # [B T]
     cos: torch.Tensor                       # [B T, dR/2]
     sin: torch.Tensor
@@ -48,38 +57,62 @@ class TopkBatchState:
     index_losses: list[torch.Tensor] = field(default_factory=list)
 
 
-def topk_forward(model: ML4, tokens: torch.Tensor, recent: int) -> tuple[torch.Tensor, torch.Tensor]:
+QUERY_CHUNK = 8192      # queries per checkpointed piece: ~0.5 GB of gathered rows at K = 128, r = 64 (fp32)
+
+
+def topk_forward(model: ML4, tokens: torch.Tensor, recent: int, query_chunk: int = QUERY_CHUNK
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """tokens [B, T] -> (logits [B T, V], mean indexer KL over the owning layers); attention over Sel(t) only
-    (each indexer's own top-k, as at inference)."""
+    (each indexer's own top-k, as at inference), `query_chunk` queries at a time."""
     B, T = tokens.shape
-    st = TopkBatchState(B, T, recent, *sequence_rope(model, tokens))
+    st = TopkBatchState(B, T, recent, query_chunk, *sequence_rope(model, tokens))
     return layers_forward(model, tokens, st, attention_forward), torch.stack(st.index_losses).mean()
 
 
 def attention_forward(block: Block, x: torch.Tensor, st: TopkBatchState) -> torch.Tensor:   # x [B T, D]
     mla, spec, cfg = block.attention, block.spec, block.attention.cfg
-    N, H, dN, r = st.B * st.T, cfg.n_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
+    N, H, dN = st.B * st.T, cfg.n_heads, cfg.qk_nope_head_dim
     q_nope, q_rope = queries_and_latents(block, x, st)
     c, k_rope = st.latents[spec.kv_source]                                          # [N, r], [N, dR]
+    qi = ki = wi = None
     if mla.indexer is not None:
         qi, ki, wi = mla.indexer.project(x.detach(), st.positions, st.cos, st.sin)  # [N, HI, dI], [N, dI], [N, HI]
         st.candidates[spec.index] = candidates(mla.indexer, qi, ki, wi, st)
     cand = st.candidates[spec.index_source]
-    w_kvb = mla.wkv_b.weight.view(H, dN + cfg.v_head_dim, r)
+    w_kvb = mla.wkv_b.weight.view(H, dN + cfg.v_head_dim, cfg.kv_lora_rank)
     q_lat = torch.einsum("nhd,hdc->nhc", q_nope, w_kvb[:, :dN])                      # [N, H, r]
-    c_sel = gather(c, cand.rows)                                                     # [N, K, r]
-    logits = torch.einsum("nhc,nkc->nhk", q_lat, c_sel)                              # [N, H, K]
-    if q_rope is not None:
-        logits = logits + torch.einsum("nhd,nkd->nhk", q_rope, gather(k_rope, cand.rows))
-    logits = logits * mla.scale
+    outs, kls = [], []
+    for a in range(0, N, st.query_chunk):
+        rows = slice(a, a + st.query_chunk)
+        piece = (q_lat[rows], None if q_rope is None else q_rope[rows], c, k_rope, cand.rows[rows],
+                 cand.selected[rows], cand.scored[rows], *((qi[rows], ki, wi[rows]) if qi is not None else ()))
+        o, kl = (checkpoint(attend, mla, *piece, use_reentrant=False) if N > st.query_chunk
+                 else attend(mla, *piece))
+        outs.append(o)
+        kls.append(kl)
     if mla.indexer is not None:
-        with torch.no_grad():
-            target = torch.softmax(logits.masked_fill(~cand.scored[:, None], float("-inf")), dim=-1).mean(1)
-        st.index_losses.append(indexer_kl(mla.indexer, qi, ki, wi, cand, target))
-    p = torch.softmax(logits.masked_fill(~cand.selected[:, None], float("-inf")), dim=-1)
-    o = torch.einsum("nhk,nkc->nhc", p, c_sel)                                       # [N, H, r]
-    o = torch.einsum("nhc,hdc->nhd", o, w_kvb[:, dN:])                               # [N, H, dV]
+        st.index_losses.append(torch.cat(kls).mean())
+    o = torch.einsum("nhc,hdc->nhd", torch.cat(outs), w_kvb[:, dN:])                 # [N, H, dV]
     return mla.wo(o.reshape(N, -1))
+
+
+def attend(mla, q_lat: torch.Tensor, q_rope: torch.Tensor | None, c: torch.Tensor, k_rope: torch.Tensor | None,
+           rows: torch.Tensor, selected: torch.Tensor, scored: torch.Tensor, qi: torch.Tensor | None = None,
+           ki: torch.Tensor | None = None, wi: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk of n queries: (latent output [n, H, r] over Sel(t), each query's indexer KL [n] (empty without
+    an indexer)). q_lat [n, H, r] against the gathered latents c[rows] [n, K, r]."""
+    c_sel = gather(c, rows)                                                          # [n, K, r]
+    logits = torch.einsum("nhc,nkc->nhk", q_lat, c_sel)                              # [n, H, K]
+    if q_rope is not None:
+        logits = logits + torch.einsum("nhd,nkd->nhk", q_rope, gather(k_rope, rows))
+    logits = logits * mla.scale
+    kl = logits.new_zeros(0)
+    if qi is not None:
+        with torch.no_grad():
+            target = torch.softmax(logits.masked_fill(~scored[:, None], float("-inf")), dim=-1).mean(1)
+        kl = indexer_kl(mla.indexer, qi, ki, wi, rows, scored, target)
+    p = torch.softmax(logits.masked_fill(~selected[:, None], float("-inf")), dim=-1)
+    return torch.einsum("nhk,nkc->nhc", p, c_sel), kl
 
 
 def gather(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -109,10 +142,11 @@ def candidates(indexer: Indexer, qi: torch.Tensor, ki: torch.Tensor, wi: torch.T
     return Candidates(rows, selected, scored)
 
 
-def indexer_kl(indexer: Indexer, qi: torch.Tensor, ki: torch.Tensor, wi: torch.Tensor, cand: Candidates,
-               target: torch.Tensor) -> torch.Tensor:
-    """Mean over queries of KL(target || softmax of I over the scored candidates); I as spec §3.6."""
-    dots = torch.einsum("nhd,nkd->nhk", qi, gather(ki, cand.rows)).relu()                    # [N, HI, K]
-    scores = torch.einsum("nh,nhk->nk", indexer.head_weights(wi), dots).masked_fill(~cand.scored, float("-inf"))
-    logq = torch.log_softmax(scores, dim=-1).masked_fill(~cand.scored, 0.0)
-    return (torch.xlogy(target, target) - target * logq).sum(-1).mean()
+def indexer_kl(indexer: Indexer, qi: torch.Tensor, ki: torch.Tensor, wi: torch.Tensor, rows: torch.Tensor,
+               scored: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per query of qi [n, HI, dI]: KL(target || softmax of I over its scored candidates, the keys ki[rows]
+    [n, K, dI]) -> [n]; I as spec §3.6."""
+    dots = torch.einsum("nhd,nkd->nhk", qi, gather(ki, rows)).relu()                         # [n, HI, K]
+    scores = torch.einsum("nh,nhk->nk", indexer.head_weights(wi), dots).masked_fill(~scored, float("-inf"))
+    logq = torch.log_softmax(scores, dim=-1).masked_fill(~scored, 0.0)
+    return (torch.xlogy(target, target) - target * logq).sum(-1)
