@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from hisparse.gpu_working_set import resolver
 from hisparse.gpu_working_set.kernels import resolve as native
 from hisparse.gpu_working_set.resolver import EXTRA, HOT, NONE, PAGE, STEP, WINDOW, HotSlots, PageMap, Plan, resolve
+from hisparse.gpu_working_set.static_plan import resolve_static
 
 needs_kernel = pytest.mark.skipif(not native.available(), reason="no C++ compiler for the resolver kernel")
 PATHS = [pytest.param(False, id="torch"), pytest.param(True, id="native", marks=needs_kernel)]
@@ -256,3 +257,52 @@ def test_kernel_rejects_segments_sharing_a_request_slot() -> None:
                    torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long), 0, 0, torch.tensor([0, 1]),
                    torch.tensor([[3, 4], [5, 6]]), 1)
     assert torch.equal(hot.stamp, stamp_before)
+
+
+@pytest.mark.parametrize("n_slots", [0, 3, 40])
+def test_static_plan_is_the_eager_plan(seed: int, n_slots: int) -> None:
+    """`static_plan.resolve_static` (what a full-step graph replays) and the eager torch resolver: the same
+    entries, kinds and rows, the same misses and slots they fill, the same counters and LRU metadata, over many
+    consecutive random steps. 40 slots per request: past 16, an unstable sort on the CPU orders tied stamps
+    (free slots, slots of one step) differently, so the victims' order is checked too."""
+    g = torch.Generator().manual_seed(seed)
+    for trial in range(12):
+        R, positions = int(torch.randint(1, 6, (), generator=g)), int(torch.randint(4, 120, (), generator=g))
+        window, sinks = (int(x) for x in torch.randint(0, 9, (2,), generator=g))
+        hot = HotSlots(n_slots, torch.device("cpu"))
+        hot.fit(R)
+        twin, stamp = clone(hot), 0
+        for step in range(6):
+            args = random_step(g, R, positions)
+            if step and int(torch.randint(0, 4, (), generator=g)) == 0:   # a released or rolled back request
+                slot, at = int(torch.randint(0, R, (), generator=g)), int(torch.randint(0, positions, (), generator=g))
+                hot.clear(slot, at)
+                twin.clear(slot, at)
+            stamp += int(torch.randint(0, 3, (), generator=g))
+            pages = random_pages(g, args[0].numel(), positions) if trial % 2 else None
+            twin_pages = clone_pages(pages)
+            ref = resolve_on(False, hot, *args[:5], sinks, window, *args[5:], stamp, pages)
+            got = resolve_static(twin, *args[:5], sinks, window, *args[5:], torch.tensor(stamp),
+                                 torch.ones(args[0].numel(), dtype=torch.long), True, twin_pages)
+            where = f"seed {seed} trial {trial} step {step}"
+            for name in ("keys", "kind", "local"):
+                assert torch.equal(getattr(got, name), getattr(ref, name)), f"{name}, {where}"
+            missed = (got.kind == EXTRA) | (got.fill_dest >= 0)
+            assert torch.equal(got.seg[missed], ref.miss_seg) and torch.equal(got.pos[missed], ref.miss_pos), where
+            assert torch.equal(got.fill_dest[missed], ref.miss_dest), where
+            assert got.counts.tolist() == [ref.n_unique, ref.n_misses, ref.n_resident], where
+            real = slice(0, hot.scratch)        # (the scratch slot takes the writes of entries that fill nothing)
+            assert torch.equal(twin.pos[real], hot.pos[real]), where
+            assert torch.equal(twin.stamp[real], hot.stamp[real]), where
+            if pages is not None:
+                assert torch.equal(twin_pages.stamp, pages.stamp), where
+
+
+def test_held_lists_every_position_a_slot_holds() -> None:
+    """`held` returns exactly the held positions, position 0 included, and nothing of another request."""
+    hot = HotSlots(4, torch.device("cpu"))
+    hot.fit(2)
+    resolve_batch(hot, [[0, 7, 3], [0, 1]], [0, 1], 1)
+    assert sorted(hot.held(0).tolist()) == [0, 3, 7] and sorted(hot.held(1).tolist()) == [0, 1]
+    hot.clear(0, 1)
+    assert hot.held(0).tolist() == [0]

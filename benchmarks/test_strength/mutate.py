@@ -263,11 +263,11 @@ def targets_of(m: Mutant, covered: dict[str, dict[int, list[str]]] | None,
 
 
 def run_mutant(tree: Path, m: Mutant, timeout: float, covered: dict[str, dict[int, list[str]]] | None,
-               seconds: dict[str, float]) -> dict:
+               seconds: dict[str, float], tests: tuple[str, ...] = ()) -> dict:
     """The result record of one mutant: its source put into tree, its tests run, the original put back. With a
     coverage map the time limit is 3x the covering tests' traced seconds plus a minute (pytest's start-up), at most
-    timeout."""
-    targets = targets_of(m, covered, seconds)
+    timeout. Explicit `tests` replace the covering ones (a retest of a survivor)."""
+    targets = tests or targets_of(m, covered, seconds)
     if covered is not None and m.line in covered.get(m.path, {}):
         timeout = min(timeout, 60.0 + 3 * sum(seconds.get(t, 0.0) for t in targets))
     try:
@@ -284,7 +284,8 @@ def run_mutant(tree: Path, m: Mutant, timeout: float, covered: dict[str, dict[in
             put(file, original)
     return {"id": m.id, "module": m.module, "path": m.path, "line": m.line, "operator": m.operator,
             "original": m.original, "mutated": m.mutated, "status": status, "seconds": round(took, 1),
-            "tests": len(targets) if covered and m.line in covered.get(m.path, {}) else "table"}
+            "tests": list(tests) if tests else len(targets) if covered and m.line in covered.get(m.path, {})
+            else "table"}
 
 
 def load_done(path: Path, mutants: list[Mutant]) -> dict[str, dict]:
@@ -296,6 +297,23 @@ def load_done(path: Path, mutants: list[Mutant]) -> dict[str, dict]:
             if current.get(rec["id"]) == rec["original"]:
                 done[rec["id"]] = rec
     return done
+
+
+def retest(selected: dict[str, list[Mutant]], done: dict[str, dict], tests: tuple[str, ...], timeout: float,
+           log: Path) -> None:
+    """Run the recorded survivors of `selected` (less the listed equivalents) against `tests` in a copy of HEAD,
+    recording each result (with the tests) as the mutant's latest."""
+    equivalent = json.loads(EQUIVALENT.read_text())
+    todo = [m for ms in selected.values() for m in ms
+            if done.get(m.id, {}).get("status") == "survived" and m.id not in equivalent]
+    with tempfile.TemporaryDirectory() as tmp:
+        tree_copy(Path(tmp))
+        for m in tqdm(todo, desc="survivors"):
+            rec = run_mutant(Path(tmp), m, timeout, None, {}, tests)
+            done[m.id] = rec
+            with log.open("a") as f:
+                f.write(json.dumps(rec) + "\n")
+            tqdm.write(f"{m.id}: {rec['status']}")
 
 
 def report(out: Path, selected: dict[str, list[Mutant]], done: dict[str, dict], unmutated: dict[str, dict],
@@ -334,6 +352,8 @@ def main() -> None:
                          "table entry")
     ap.add_argument("--coverage-tests", default="tests", help="what the coverage run runs (comma-separated)")
     ap.add_argument("--jobs", type=int, default=1, help="mutants tested at once, each in its own copy of the tree")
+    ap.add_argument("--retest", help="comma-separated tests: run the recorded survivors of the chosen modules that "
+                    "equivalent.json does not list against them (in a copy of HEAD: tests written since the run)")
     ap.add_argument("--timeout", type=float, default=600.0,
                     help="seconds a mutant's covering tests may run (a table run: 3x its module's baseline)")
     args = ap.parse_args()
@@ -352,7 +372,9 @@ def main() -> None:
     command = " ".join(["python -m benchmarks.test_strength.mutate",
                         *(a for a in sys.argv[1:] if a != "--report-only")])
     unmutated: dict[str, dict] = {}     # module -> its tests' run without a mutant: passed, seconds
-    if not args.report_only:
+    if args.retest:
+        retest(selected, done, tuple(args.retest.split(",")), args.timeout, log)
+    elif not args.report_only:
         covered, seconds = coverage_map(out, args.coverage_tests) if args.select == "coverage" else (None, {})
         with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(args.jobs) as pool:
             trees = [Path(tmp) / str(i) for i in range(args.jobs)]     # one copy of HEAD per concurrent mutant
