@@ -284,3 +284,21 @@ def test_speculative_hits_keep_the_drafters_window() -> None:
     assert got == want
     # the second prompt reuses every full page of the document but the drafter's window
     assert kv.stats.prefix_hits == (len(ps[1]) - window) // PAGE * PAGE > 0
+
+
+@pytest.mark.parametrize("cached_pages", [1, 3])
+def test_an_attached_request_has_the_window_of_its_cached_positions(model, cached_pages: int) -> None:
+    """A request that starts from n cached positions holds [max(0, n - W), n) in its resident window (W = 32),
+    the positions the resolver serves from the device without a hot slot: all of them when n <= W (without sink
+    tokens position 0 is only there)."""
+    kv = HiSparseKV(model.cfg, "fp8_ds_mla", "cpu", torch.float32, host_pool_gib=0.004, hot_buffer_tokens=16,
+                    resident_window=32, sink_tokens=0, page_tokens=PAGE, prefix_caching=True)
+    g = torch.Generator().manual_seed(11)
+    doc = torch.randint(0, model.cfg.vocab_size, (3 * PAGE + 5,), generator=g).tolist()
+    serve(model, kv, "a", doc, 0)
+    kv.release("a")
+    tokens = doc[:cached_pages * PAGE] + torch.randint(0, model.cfg.vocab_size, (PAGE,), generator=g).tolist()
+    n = kv.admit("b", len(tokens) + 1, tokens[:-1])
+    slot = kv.slot_of["b"]
+    assert n == cached_pages * PAGE
+    assert (int(kv.win_lo[slot]), int(kv.win_len[slot])) == (max(0, n - 32), n)
