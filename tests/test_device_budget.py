@@ -143,3 +143,26 @@ def test_budget_errors_name_the_flag(seed: int) -> None:
     assert kv.arena.slots == 3 and kv.resident.cap == 2 == kv.page_room(3)
     ws, pb = kv.working_set_bytes(), kv.page_bytes
     assert 3 * ws + 2 * pb <= kv.budget < 3 * ws + 3 * pb
+
+
+@pytest.mark.parametrize("hybrid", [True, False], ids=["hybrid", "hisparse"])
+def test_device_nbytes_is_the_most_the_store_holds(seed: int, hybrid: bool) -> None:
+    """After `reserve_device`, `device_nbytes` (the figure the connector reports to vLLM) is what the store's
+    device buffers come to once its page region has grown to the room the slots leave, and it does not change
+    while a request runs: a request long enough to fill that room then holds exactly that much."""
+    model = tiny_model(seed)
+    kv = store(model.cfg, 2, 3, hybrid)
+    kv.reserve_device(2, 256, 64)
+    engine = Engine(model, kv, SchedulerConfig(max_model_len=256, max_num_seqs=2, max_num_batched_tokens=64))
+    total = kv.device_nbytes()
+
+    def held() -> int:
+        return sum(t.nbytes for t in kv.device_buffers())
+    assert held() <= total
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, model.cfg.vocab_size, (8 * PAGE,), generator=g).tolist()
+    engine.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0))
+    assert kv.device_nbytes() == total
+    if hybrid:
+        assert kv.resident.allocated == kv.resident.cap == 3
+    assert held() == total

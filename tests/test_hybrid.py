@@ -150,7 +150,7 @@ def test_one_resident_page_among_many_spilled(model):
     def checks(step: int) -> None:
         check_invariants(kv)
         kv.sync_stats()
-        assert not kv.all_resident or step == 0
+        assert not kv.all_resident or step < SCRIPT[1][0]     # (only while the first request runs alone)
         per_step.append(kv.stats.resident_hits - before[0])
         before[0] = kv.stats.resident_hits
 

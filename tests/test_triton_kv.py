@@ -12,6 +12,7 @@ import torch
 
 from hisparse.engine.generate import greedy_generate
 from hisparse.kv.settings import KVSettings, KVSettingsError
+from hisparse.kv import hisparse_kv
 from hisparse.kv.hisparse_kv import HiSparseKV
 from hisparse.core import triton_support
 from hisparse.kv.resident import ResidentKV
@@ -80,19 +81,30 @@ def test_hybrid_triton_equals_torch(model, dtype: torch.dtype, seed: int) -> Non
 
 
 @needs_kernels
-def test_narrowed_rows_read_their_subset_of_the_plan(seed: int) -> None:
+def test_narrowed_rows_read_their_subset_of_the_plan(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """A last layer that shares an earlier layer's selection runs on fewer rows (prefill computes logits for its
-    last row only, AttentionBatch.narrow_): it reads the arena rows of its subset of the launched plan."""
+    last row only, AttentionBatch.narrow_): it reads the arena rows of its subset of the launched plan. Two hot
+    slots for a top-8 selection: steps have transient misses (rows past the arena, read from the step's extra
+    rows), which the torch path's plans count."""
     params = preset_params("tiny") | {"kv_source_layers": [0, 1, 2, 3, 4, 5, 6, 3],
                                       "index_source_layers": [0, 1, 1, 3, 4, 4, 4, 4]}
     model = random_model(params, seed=seed % 10_000).to(DEV)
     prompt = torch.randint(0, model.cfg.vocab_size, (60,), generator=torch.Generator().manual_seed(seed)).tolist()
-    kvs = {k: HiSparseKV(model.cfg, "fp8_ds_mla", DEV, host_pool_gib=0.002, hot_buffer_tokens=6, resident_window=4,
+    kvs = {k: HiSparseKV(model.cfg, "fp8_ds_mla", DEV, host_pool_gib=0.002, hot_buffer_tokens=2, resident_window=4,
                          page_tokens=16, kernels=k) for k in ("torch", "triton")}
+    transient = []
+    real = hisparse_kv.resolve
+
+    def counting(*args, **kwargs):
+        plan = real(*args, **kwargs)
+        transient.append(plan.n_transient)
+        return plan
+    monkeypatch.setattr(hisparse_kv, "resolve", counting)
     lockstep = LockstepKV(kvs["torch"], kvs["triton"])
     greedy_generate(model, lockstep, prompt, 3, chunk=30)
     assert lockstep.compared["attend"] > 0
     assert kvs["triton"].stats.misses == kvs["torch"].stats.misses > 0
+    assert sum(transient) > 0
 
 
 @needs_kernels

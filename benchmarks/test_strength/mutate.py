@@ -266,7 +266,7 @@ def run_mutant(tree: Path, m: Mutant, timeout: float, covered: dict[str, dict[in
                seconds: dict[str, float], tests: tuple[str, ...] = ()) -> dict:
     """The result record of one mutant: its source put into tree, its tests run, the original put back. With a
     coverage map the time limit is 3x the covering tests' traced seconds plus a minute (pytest's start-up), at most
-    timeout. Explicit `tests` replace the covering ones (a retest of a survivor)."""
+    timeout (a hang, not a slow machine). Explicit `tests` replace the covering ones (a retest of a survivor)."""
     targets = tests or targets_of(m, covered, seconds)
     if covered is not None and m.line in covered.get(m.path, {}):
         timeout = min(timeout, 60.0 + 3 * sum(seconds.get(t, 0.0) for t in targets))
@@ -354,8 +354,11 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=1, help="mutants tested at once, each in its own copy of the tree")
     ap.add_argument("--retest", help="comma-separated tests: run the recorded survivors of the chosen modules that "
                     "equivalent.json does not list against them (in a copy of HEAD: tests written since the run)")
-    ap.add_argument("--timeout", type=float, default=600.0,
-                    help="seconds a mutant's covering tests may run (a table run: 3x its module's baseline)")
+    ap.add_argument("--timeout", type=float, default=3600.0,
+                    help="the most seconds a mutant's tests may run (their limit: 60 + 3x the covering tests' traced "
+                         "seconds; a table run: 3x its module's baseline); a retest's limit")
+    ap.add_argument("--retry-timeouts", action="store_true",
+                    help="run the recorded timeouts again (a limit too tight for a loaded machine reads as a kill)")
     args = ap.parse_args()
     names = args.modules.split(",")
     if unknown := set(names) - set(MODULES):
@@ -369,6 +372,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     log = out / "mutants.jsonl"
     done = load_done(log, [m for ms in selected.values() for m in ms])
+    if args.retry_timeouts:
+        done = {k: r for k, r in done.items() if r["status"] != "timeout"}
     command = " ".join(["python -m benchmarks.test_strength.mutate",
                         *(a for a in sys.argv[1:] if a != "--report-only")])
     unmutated: dict[str, dict] = {}     # module -> its tests' run without a mutant: passed, seconds

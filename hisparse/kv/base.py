@@ -368,8 +368,9 @@ class LatentKV(ABC):
         self.index_keys.fit(max_seqs * self.pages_for(max_tokens))
 
     def device_nbytes(self) -> int:
-        """Device bytes the stores hold now (allocated, used or not)."""
-        return sum(t.nbytes for t in self.index_keys.data.values())
+        """Device bytes the stores hold (allocated, used or not): every device buffer, and what a store grows on
+        demand counted at its limit."""
+        return sum(t.nbytes for t in self.device_buffers())
 
     def working_set_bytes(self) -> int:
         """Device bytes one request holds whatever its length (HiSparse: its arena slot and LRU metadata)."""

@@ -90,10 +90,8 @@ class DeviceBudget:
 
     def device_nbytes(self) -> int:
         # resident pages count at the room the slots leave them: the page region grows on demand up to it
-        pages = 0 if self.resident is None else (self.resident.slot_of.nbytes + self.resident.stamp.nbytes
-                                                 + self.resident.cap * self.page_bytes - self.arena.page_bytes())
-        return (super().device_nbytes() + self.arena.data.nbytes + self.win_lo.nbytes + self.win_len.nbytes + pages
-                + sum(h.pos.nbytes + h.stamp.nbytes for h in self.hot.values()))
+        room = 0 if self.resident is None else self.resident.cap * self.page_bytes - self.arena.page_bytes()
+        return super().device_nbytes() + room
 
     def device_bytes(self, req: Hashable) -> dict[str, int]:
         """Device memory one request holds, by part (latent = window + hot slots; the rest is metadata)."""

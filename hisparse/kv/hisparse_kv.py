@@ -70,7 +70,7 @@ class HiSparseKV(DeviceBudget, HybridPages, LatentKV):
         self.pool, self.n_slots, self.window, self.sinks = pool, n_slots, window, sink_tokens
         self.copier = Copier(self.device)
         self.members = {o: [l.index for l in cfg.layers if l.index_source == o] for o in cfg.index_owner_layers}
-        self.page_bytes = page_bytes = len(cfg.kv_source_layers) * page_tokens * self.layout.row_bytes
+        self.page_bytes = page_bytes = pool.page_bytes     # one page of every KV owner, as the arena holds it
         self.budget = None if device_kv_gib is None else int(device_kv_gib * (1 << 30))
         # hybrid: resident pages, at most the budget's worth (None: every row outside the window from the host pool)
         n_pages = 0 if self.budget is None or not hybrid else self.budget // page_bytes

@@ -37,9 +37,6 @@ class ResidentKV(LatentKV):
     def device_buffers(self) -> list[torch.Tensor]:
         return super().device_buffers() + list(self.rows.data.values())
 
-    def device_nbytes(self) -> int:
-        return super().device_nbytes() + sum(t.nbytes for t in self.rows.data.values())
-
     def write(self, layer: int, seg: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> None:
         self.rows.write(layer, paged_rows(self.tables.pages, seg, positions, self.page_tokens), self.encode(rows))
 
