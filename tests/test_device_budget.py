@@ -138,6 +138,7 @@ def test_budget_errors_name_the_flag(seed: int) -> None:
                    hot_buffer_tokens=16, resident_window=8, page_tokens=PAGE).build(model.cfg)
     with pytest.raises(ValueError, match="holds 3 working sets .* fewer than max_num_seqs = 4"):
         store(model.cfg, 3, 0).reserve_device(4, 128, 64)
+    store(model.cfg, 3, 0).reserve_device(3, 128, 64)      # exactly as many working sets as max_num_seqs
     kv = store(model.cfg, 3, 2)
     kv.reserve_device(3, 128, 64)
     assert kv.arena.slots == 3 and kv.resident.cap == 2 == kv.page_room(3)
@@ -166,3 +167,5 @@ def test_device_nbytes_is_the_most_the_store_holds(seed: int, hybrid: bool) -> N
     if hybrid:
         assert kv.resident.allocated == kv.resident.cap == 3
     assert held() == total
+    assert kv.device_bytes("never admitted") == {"latent": 0, "resident_pages": 0, "hot_metadata": 0,
+                                                 "index_keys": 0}
