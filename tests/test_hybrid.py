@@ -205,3 +205,22 @@ def test_new_pages_spill_only_while_the_step_keeps_a_resident_share(model, b_len
     first_two = set(kv.pages.tables["a"][:2])
     assert (kv.resident.spilled_pages > 0) == spills
     assert (set(kv.resident.dev_of) == first_two) != spills
+
+
+def test_the_page_region_grows_only_when_the_pages_outgrow_it(model):
+    """A lone request on a device with room to spare, prefilled in chunks then decoded across page boundaries:
+    the resident page region grows only at a step whose pages no longer fit it, to the larger of those pages and
+    twice its size (then the step's pages fill it exactly as far as they need)."""
+    kv = hybrid(model.cfg, "fp8_ds_mla", 64, slots=1)
+    tokens = torch.randint(0, model.cfg.vocab_size, (70,), generator=torch.Generator().manual_seed(5))
+    res, before, grew = kv.resident, 0, 0
+    segs = [(0, 7), (7, 30), (37, 33)] + [(n, 1) for n in range(70, 70 + 3 * PAGE)]
+    for start, n in segs:
+        out = model(tokens[start:start + n], [Segment("a", start, n)], kv)
+        tokens = torch.cat((tokens, out[-1:].argmax(-1))) if start + n >= 70 else tokens
+        if res.allocated != before:
+            assert res.resident > before and res.allocated == min(res.cap, max(res.resident, 2 * before))
+            grew += 1
+        assert res.resident == kv.pages.pages_of("a") <= res.allocated
+        before = res.allocated
+    assert grew >= 3

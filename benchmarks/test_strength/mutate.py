@@ -301,11 +301,11 @@ def load_done(path: Path, mutants: list[Mutant]) -> dict[str, dict]:
 
 def retest(selected: dict[str, list[Mutant]], done: dict[str, dict], tests: tuple[str, ...], timeout: float,
            log: Path) -> None:
-    """Run the recorded survivors of `selected` (less the listed equivalents) against `tests` in a copy of HEAD,
-    recording each result (with the tests) as the mutant's latest."""
+    """Run the recorded survivors and timeouts of `selected` (less the listed equivalents) against `tests` in a
+    copy of HEAD, recording each result (with the tests) as the mutant's latest."""
     equivalent = json.loads(EQUIVALENT.read_text())
     todo = [m for ms in selected.values() for m in ms
-            if done.get(m.id, {}).get("status") == "survived" and m.id not in equivalent]
+            if done.get(m.id, {}).get("status") in ("survived", "timeout") and m.id not in equivalent]
     with tempfile.TemporaryDirectory() as tmp:
         tree_copy(Path(tmp))
         for m in tqdm(todo, desc="survivors"):
@@ -352,7 +352,8 @@ def main() -> None:
                          "table entry")
     ap.add_argument("--coverage-tests", default="tests", help="what the coverage run runs (comma-separated)")
     ap.add_argument("--jobs", type=int, default=1, help="mutants tested at once, each in its own copy of the tree")
-    ap.add_argument("--retest", help="comma-separated tests: run the recorded survivors of the chosen modules that "
+    ap.add_argument("--retest", help="comma-separated tests: run the recorded survivors (and timeouts) of the chosen "
+                    "modules that "
                     "equivalent.json does not list against them (in a copy of HEAD: tests written since the run)")
     ap.add_argument("--timeout", type=float, default=3600.0,
                     help="the most seconds a mutant's tests may run (their limit: 60 + 3x the covering tests' traced "
