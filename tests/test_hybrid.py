@@ -188,12 +188,14 @@ def test_windows_left_by_all_resident_decode_steps_are_reloaded(model):
     assert kv.stats.misses > 0
 
 
-@pytest.mark.parametrize(("b_len", "spills"), [(4 * PAGE, True), (20 * PAGE, False)])
+@pytest.mark.parametrize(("b_len", "spills"), [(4 * PAGE, True), (13 * PAGE, True), (14 * PAGE, False),
+                                               (20 * PAGE, False)])
 def test_new_pages_spill_only_while_the_step_keeps_a_resident_share(model, b_len: int, spills: bool):
     """Two device pages, held by "a" (2 pages). "b" joins while "a" decodes into a third page: with 4 pages for
     "b" the step holds 2 of 7 resident (above 1/8) and its new pages spill a's; with 20 (2 of 23, below 1/8) they
     take no device page and a's pages stay, since a new page sits in its window and spilling a page the step
-    reads from the device gains nothing. Logits equal ResidentKV's either way."""
+    reads from the device gains nothing. 13 and 14 pages are the boundary: 2 of 16 is 1/8 exactly, 2 of 17 below.
+    Logits equal ResidentKV's either way."""
     kv, ref = hybrid(model.cfg, "fp8_ds_mla", 2, slots=2), ResidentKV(model.cfg, "fp8_ds_mla")
     g = torch.Generator().manual_seed(5)
     a, b = (torch.randint(0, model.cfg.vocab_size, (n,), generator=g) for n in (2 * PAGE + 1, b_len))
