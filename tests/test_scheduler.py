@@ -1,5 +1,6 @@
-"""The scheduler's settings and defaults: checked once and immutable after; without speculation a request
-reserves exactly its known tokens."""
+"""The scheduler's settings, defaults and limits: settings checked once and immutable after, a request's
+reservation (tokens plus drafts, none by default), the length limits at their boundaries, and what preemption
+leaves for the recompute."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import dataclasses
 import pytest
 
 from conftest import tiny_model
-from hisparse.engine.request import Request, SamplingParams
+from hisparse.engine.request import Request, RequestError, SamplingParams, Status
 from hisparse.engine.scheduler import Scheduler, SchedulerConfig
 from hisparse.kv.resident import ResidentKV
 
@@ -34,3 +35,35 @@ def test_a_request_reserves_its_tokens_and_drafts_within_its_length(seed: int, d
     assert sched.needed(req) == 10 + n
     req.output += [5, 6, 7]
     assert sched.needed(req) == min(req.max_len, 13 + n) == (14 if n else 13)
+
+
+@pytest.mark.parametrize(("prompt", "max_tokens", "field"), [(64, 1, "prompt"), (63, 1, None), (63, 2, "max_tokens"),
+                                                            (65, 1, "prompt")])
+def test_length_limits_at_their_boundaries(seed: int, prompt: int, max_tokens: int, field: str | None) -> None:
+    """A prompt of max_model_len tokens leaves no room for a completion (the prompt is named); one token less fits
+    a one-token completion and no more (then max_tokens is named)."""
+    model = tiny_model(seed, sharp=False)
+    sched = Scheduler(SchedulerConfig(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=8),
+                      ResidentKV(model.cfg, "fp8_ds_mla", page_tokens=16))
+    req = Request("r", [1] * prompt, SamplingParams(max_tokens=max_tokens))
+    if field is None:
+        sched.check(req)
+    else:
+        with pytest.raises(RequestError) as err:
+            sched.check(req)
+        assert err.value.field == field and err.value.status == 400
+
+
+def test_a_preempted_request_recomputes_from_its_first_token(seed: int) -> None:
+    """Preemption frees the request's KV and queues it first with nothing computed, so its next prefill starts
+    at position 0 (its tokens so far become the prompt it recomputes)."""
+    model = tiny_model(seed, sharp=False)
+    kv = ResidentKV(model.cfg, "fp8_ds_mla", page_tokens=16)
+    sched = Scheduler(SchedulerConfig(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=8), kv)
+    req = Request("r", list(range(1, 11)), SamplingParams(max_tokens=4))
+    sched.running.append(req)
+    assert kv.reserve("r", 10)
+    req.num_computed, req.status = 10, Status.RUNNING
+    sched.preempt(req)
+    assert req.num_computed == 0 and req.status == Status.WAITING and sched.waiting[0] is req
+    assert "r" not in kv.reserved and sched.num_preemptions == 1
