@@ -67,3 +67,15 @@ def test_a_preempted_request_recomputes_from_its_first_token(seed: int) -> None:
     sched.preempt(req)
     assert req.num_computed == 0 and req.status == Status.WAITING and sched.waiting[0] is req
     assert "r" not in kv.reserved and sched.num_preemptions == 1
+
+
+@pytest.mark.parametrize(("prompt", "tail", "reusable"), [(1, 1, 0), (5, 1, 4), (5, 5, 0), (5, 7, 0), (5, 2, 3)])
+def test_reusable_tokens_leave_the_recompute_tail(seed: int, prompt: int, tail: int, reusable: int) -> None:
+    """With prefix caching a request may start from all but its last `recompute_tail` known tokens, and from none
+    when it has no more than that."""
+    model = tiny_model(seed, sharp=False)
+    kv = ResidentKV(model.cfg, "fp8_ds_mla", page_tokens=16, prefix_caching=True)
+    sched = Scheduler(SchedulerConfig(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=8), kv,
+                      recompute_tail=tail)
+    req = Request("r", list(range(1, prompt + 1)), SamplingParams(max_tokens=4))
+    assert sched.reusable(req) == list(range(1, reusable + 1))
