@@ -300,12 +300,13 @@ def load_done(path: Path, mutants: list[Mutant]) -> dict[str, dict]:
 
 
 def retest(selected: dict[str, list[Mutant]], done: dict[str, dict], tests: tuple[str, ...], timeout: float,
-           log: Path) -> None:
-    """Run the recorded survivors and timeouts of `selected` (less the listed equivalents) against `tests` in a
-    copy of HEAD, recording each result (with the tests) as the mutant's latest."""
+           log: Path, ids: set[str]) -> None:
+    """Run the recorded survivors of `selected` (less the listed equivalents; only `ids` if given) against `tests`
+    in a copy of HEAD, recording each result (with the tests) as the mutant's latest."""
     equivalent = json.loads(EQUIVALENT.read_text())
     todo = [m for ms in selected.values() for m in ms
-            if done.get(m.id, {}).get("status") in ("survived", "timeout") and m.id not in equivalent]
+            if done.get(m.id, {}).get("status") == "survived" and m.id not in equivalent
+            and (not ids or m.id in ids)]
     with tempfile.TemporaryDirectory() as tmp:
         tree_copy(Path(tmp))
         for m in tqdm(todo, desc="survivors"):
@@ -352,9 +353,9 @@ def main() -> None:
                          "table entry")
     ap.add_argument("--coverage-tests", default="tests", help="what the coverage run runs (comma-separated)")
     ap.add_argument("--jobs", type=int, default=1, help="mutants tested at once, each in its own copy of the tree")
-    ap.add_argument("--retest", help="comma-separated tests: run the recorded survivors (and timeouts) of the chosen "
-                    "modules that "
+    ap.add_argument("--retest", help="comma-separated tests: run the recorded survivors of the chosen modules that "
                     "equivalent.json does not list against them (in a copy of HEAD: tests written since the run)")
+    ap.add_argument("--ids", help="comma-separated mutant ids: --retest only these")
     ap.add_argument("--timeout", type=float, default=3600.0,
                     help="the most seconds a mutant's tests may run (their limit: 60 + 3x the covering tests' traced "
                          "seconds; a table run: 3x its module's baseline); a retest's limit")
@@ -379,7 +380,8 @@ def main() -> None:
                         *(a for a in sys.argv[1:] if a != "--report-only")])
     unmutated: dict[str, dict] = {}     # module -> its tests' run without a mutant: passed, seconds
     if args.retest:
-        retest(selected, done, tuple(args.retest.split(",")), args.timeout, log)
+        retest(selected, done, tuple(args.retest.split(",")), args.timeout, log,
+               set(args.ids.split(",")) if args.ids else set())
     elif not args.report_only:
         covered, seconds = coverage_map(out, args.coverage_tests) if args.select == "coverage" else (None, {})
         with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(args.jobs) as pool:
