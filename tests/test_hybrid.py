@@ -126,6 +126,7 @@ def test_room_for_everything_is_all_resident(model):
     live = [r for r, (_, _, end) in enumerate(SCRIPT) if end is None]
     assert all(kv.residency(r) == 1.0 for r in live)
     assert kv.resident_rows() == sum(kv.pages.pages_of(r) for r in live) * PAGE * len(kv.arena.owners)
+    assert always.resident_rows() == 0 and always.residency(live[0]) < 1.0
 
 
 def test_release_returns_every_device_page(model):
