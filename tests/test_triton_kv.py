@@ -81,6 +81,30 @@ def test_hybrid_triton_equals_torch(model, dtype: torch.dtype, seed: int) -> Non
 
 
 @needs_kernels
+def test_all_resident_decode_triton_equals_torch(model, seed: int) -> None:
+    """A short request whose page stays resident: its decode steps read rows straight from the page region (no
+    miss path), and while it has fewer positions than top-k every position is selected, position 0 included."""
+    prompt = torch.randint(0, model.cfg.vocab_size, (5,), generator=torch.Generator().manual_seed(seed)).tolist()
+    geometry = dict(host_pool_gib=0.002, hot_buffer_tokens=10, resident_window=6, page_tokens=16)
+    gib = HiSparseKV(model.cfg, "fp8_ds_mla", **geometry).budget_gib(1, 2)
+    kvs = {k: HiSparseKV(model.cfg, "fp8_ds_mla", DEV, kernels=k, device_kv_gib=gib, **geometry)
+           for k in ("torch", "triton")}
+    decodes = []
+    real = HiSparseKV.rows_on_pages
+
+    def recording(self, layer, seg, sel, empty):
+        decodes.append(bool((sel == 0).any()))
+        return real(self, layer, seg, sel, empty)
+    lockstep = LockstepKV(kvs["torch"], kvs["triton"])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(HiSparseKV, "rows_on_pages", recording)
+        greedy_generate(model, lockstep, prompt, 4)
+    assert lockstep.compared["attend"] == 4 * len(model.layers) and any(decodes)
+    t, r = kvs["triton"].stats, kvs["torch"].stats
+    assert t.resident_hits == r.resident_hits > 0 and t.misses == r.misses == 0
+
+
+@needs_kernels
 def test_narrowed_rows_read_their_subset_of_the_plan(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """A last layer that shares an earlier layer's selection runs on fewer rows (prefill computes logits for its
     last row only, AttentionBatch.narrow_): it reads the arena rows of its subset of the launched plan. Two hot
