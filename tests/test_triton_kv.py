@@ -131,6 +131,32 @@ def test_narrowed_rows_read_their_subset_of_the_plan(seed: int, monkeypatch: pyt
     assert sum(transient) > 0
 
 
+class GatherLockstep(LockstepKV):
+    """LockstepKV that also compares, after each attention, the two stores' `gather` of its selection (which the
+    Triton path's attention does not call) where something is selected."""
+
+    def attend(self, layer: int, q_lat: torch.Tensor, q_rope: torch.Tensor | None, seg: torch.Tensor,
+               sel: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.__getattr__("attend")(layer, q_lat, q_rope, seg, sel, scale)
+        want, got = (kv.gather(layer, seg, sel)(0, sel.shape[0]) for kv in (self.reference, self.candidate))
+        assert torch.equal(got[sel >= 0], want[sel >= 0]), f"layer {layer}"
+        self.compared["gather"] += 1
+        return out
+
+
+@needs_kernels
+def test_triton_gather_reads_the_stored_rows(model, seed: int) -> None:
+    """`gather` on the Triton path (the seam's row read; its attention reads the bytes directly) returns exactly
+    the rows ResidentKV holds, transient misses (two hot slots for a top-8 selection) included."""
+    prompt = torch.randint(0, model.cfg.vocab_size, (60,), generator=torch.Generator().manual_seed(seed)).tolist()
+    resident = ResidentKV(model.cfg, "fp8_ds_mla", page_tokens=16)
+    kv = HiSparseKV(model.cfg, "fp8_ds_mla", DEV, host_pool_gib=0.002, hot_buffer_tokens=2, resident_window=4,
+                    page_tokens=16, kernels="triton")
+    lockstep = GatherLockstep(resident, kv)
+    greedy_generate(model, lockstep, prompt, 3, chunk=30)
+    assert lockstep.compared["gather"] == 4 * len(model.layers) and kv.stats.misses > 0
+
+
 @needs_kernels
 def test_resident_triton_equals_torch(model, seed: int) -> None:
     prompt = torch.randint(0, model.cfg.vocab_size, (50,), generator=torch.Generator().manual_seed(seed)).tolist()
