@@ -79,3 +79,16 @@ def test_reusable_tokens_leave_the_recompute_tail(seed: int, prompt: int, tail: 
                       recompute_tail=tail)
     req = Request("r", list(range(1, prompt + 1)), SamplingParams(max_tokens=4))
     assert sched.reusable(req) == list(range(1, reusable + 1))
+
+
+@pytest.mark.parametrize("fair", [0, 4])
+def test_prefill_chunks_fill_the_budget_and_no_more(seed: int, fair: int) -> None:
+    """Two 20-token prompts, 16 tokens a step: the first prefill chunk takes the whole budget and the second
+    request waits for the next step (no empty segment); a lone group is not held to the fair share."""
+    model = tiny_model(seed, sharp=False)
+    sched = Scheduler(SchedulerConfig(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16,
+                                      fair_prefill_tokens=fair), ResidentKV(model.cfg, "fp8_ds_mla", page_tokens=16))
+    for name in ("a", "b"):
+        sched.add(Request(name, list(range(1, 21)), SamplingParams(max_tokens=4)))
+    step = sched.schedule()
+    assert [(r.id, s.start, s.length) for r, s in zip(step.reqs, step.segments)] == [("a", 0, 16)]
