@@ -92,3 +92,19 @@ def test_prefill_chunks_fill_the_budget_and_no_more(seed: int, fair: int) -> Non
         sched.add(Request(name, list(range(1, 21)), SamplingParams(max_tokens=4)))
     step = sched.schedule()
     assert [(r.id, s.start, s.length) for r, s in zip(step.reqs, step.segments)] == [("a", 0, 16)]
+
+
+def test_drafts_take_their_tokens_from_the_prefill_budget(seed: int) -> None:
+    """A decoding request verifying 3 drafts costs 4 of the step's 16 tokens: a prefill beside it gets the 12
+    left, so the step holds 16 tokens."""
+    model = tiny_model(seed, sharp=False)
+    sched = Scheduler(SchedulerConfig(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16),
+                      ResidentKV(model.cfg, "fp8_ds_mla", page_tokens=16), num_speculative_tokens=3)
+    dec = Request("d", list(range(1, 6)), SamplingParams(max_tokens=20, temperature=0.0))
+    sched.add(dec)
+    sched.schedule()
+    dec.num_computed, dec.output = 5, [7]          # prefilled, first token sampled: decoding from here
+    sched.add(Request("p", list(range(1, 31)), SamplingParams(max_tokens=4)))
+    step = sched.schedule()
+    assert [(r.id, s.length, n) for r, s, n in zip(step.reqs, step.segments, step.num_drafts)] == \
+        [("d", 4, 3), ("p", 12, 0)]
