@@ -84,7 +84,8 @@ def test_reusable_tokens_leave_the_recompute_tail(seed: int, prompt: int, tail: 
 @pytest.mark.parametrize("fair", [0, 4])
 def test_prefill_chunks_fill_the_budget_and_no_more(seed: int, fair: int) -> None:
     """Two 20-token prompts, 16 tokens a step: the first prefill chunk takes the whole budget and the second
-    request waits for the next step (no empty segment); a lone group is not held to the fair share."""
+    request waits for the next step (no empty segment); then the first's last 4 tokens and 12 of the second's.
+    A lone group is not held to the fair share."""
     model = tiny_model(seed, sharp=False)
     sched = Scheduler(SchedulerConfig(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16,
                                       fair_prefill_tokens=fair), ResidentKV(model.cfg, "fp8_ds_mla", page_tokens=16))
@@ -92,6 +93,9 @@ def test_prefill_chunks_fill_the_budget_and_no_more(seed: int, fair: int) -> Non
         sched.add(Request(name, list(range(1, 21)), SamplingParams(max_tokens=4)))
     step = sched.schedule()
     assert [(r.id, s.start, s.length) for r, s in zip(step.reqs, step.segments)] == [("a", 0, 16)]
+    step.reqs[0].num_computed = 16          # the chunk ran: a has 4 prompt tokens left, b gets the other 12
+    step = sched.schedule()
+    assert [(r.id, s.start, s.length) for r, s in zip(step.reqs, step.segments)] == [("a", 16, 4), ("b", 0, 12)]
 
 
 def test_drafts_take_their_tokens_from_the_prefill_budget(seed: int) -> None:
