@@ -162,3 +162,11 @@ def test_stop_strings_count_after_min_tokens() -> None:
         stream = TextStream(tok.decode, ("the",), min_tokens)
         shown = "".join(stream.push([i]) for i in ids) + stream.flush()
         assert stream.stopped and shown == want, min_tokens
+
+
+def test_top_k_settings_map_to_the_vocabulary_bound() -> None:
+    """top_k 0 and -1 are off (every token: V), a positive top_k keeps that many, and one above V keeps V."""
+    params = [SamplingParams(top_k=k, temperature=1.0) for k in (-1, 0, 1, 5, 999)]
+    reqs = [Request(str(i), [1], p) for i, p in enumerate(params)]
+    batch = SamplingBatch.from_requests(reqs, 100, torch.device("cpu"))
+    assert batch.top_k.tolist() == [100, 100, 1, 5, 100]
