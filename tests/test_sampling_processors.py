@@ -7,11 +7,13 @@ from __future__ import annotations
 import math
 import random
 
+import pytest
 import torch
 
 from hisparse.engine.detokenizer import TextStream
 from hisparse.engine.request import Request, SamplingParams
-from hisparse.engine.sampling import LogitsProcessors, SamplingBatch, filter_min_p, sample, token_logprobs
+from hisparse.engine.sampling import (LogitsProcessors, SamplingBatch, filter_min_p, filter_top_k_top_p, sample,
+                                      token_logprobs)
 from hisparse.model.tiny import builtin_tiny
 from hisparse.model.tokenizer import load_tokenizer
 
@@ -170,3 +172,11 @@ def test_top_k_settings_map_to_the_vocabulary_bound() -> None:
     reqs = [Request(str(i), [1], p) for i, p in enumerate(params)]
     batch = SamplingBatch.from_requests(reqs, 100, torch.device("cpu"))
     assert batch.top_k.tolist() == [100, 100, 1, 5, 100]
+
+
+@pytest.mark.parametrize(("top_p", "kept"), [(1e-9, 1), (0.25, 1), (0.26, 2), (0.5, 2), (0.75, 3), (1.0, 4)])
+def test_top_p_keeps_the_fewest_top_tokens_that_reach_it(top_p: float, kept: int) -> None:
+    """Four equally likely tokens (exact quarters): top_p keeps the fewest top tokens whose mass reaches top_p,
+    so a token whose higher-ranked mass already reaches it is dropped, and the top token always stays."""
+    out = filter_top_k_top_p(torch.zeros(1, 4), torch.tensor([4]), torch.tensor([top_p]))
+    assert int(torch.isfinite(out).sum()) == kept
