@@ -192,17 +192,19 @@ def run_tests(tree: Path, targets: tuple[str, ...], timeout: float | None) -> tu
     return ("killed" if proc.returncode else "survived"), time.perf_counter() - t0
 
 
-def coverage_map(out: Path, tests: str) -> tuple[dict[str, dict[int, list[str]]], dict[str, float]]:
+def coverage_map(out: Path, tests: str,
+                 paths: set[str]) -> tuple[dict[str, dict[int, list[str]]], dict[str, float]]:
     """(path -> line -> the tests (pytest node ids, parameters folded) that run it, test -> its seconds), from one
     coverage run of the quick suite with a context per test function (cached in <out>/coverage-map.json; needs
-    `pip install coverage`). Lines that only spawned processes run (DCP ranks) have no test here. The cache is keyed
-    by the sources and tests it was made from: after any change to them it is made again (its line numbers would
-    name other code)."""
+    `pip install coverage`). Lines that only spawned processes run (DCP ranks) have no test here. The cache serves
+    while the mutated files (`paths`) are as it traced them (its line numbers would name other code after a change)
+    and the run ran the same tests; a test edited since still covers what it covered, and one removed or renamed
+    since leaves the map."""
     cache = out / "coverage-map.json"
-    key = sources_key(tests)
-    if cache.exists() and (cached := json.loads(cache.read_text())).get("key") == key:
-        return ({f: {int(k): v for k, v in lines.items()} for f, lines in cached["lines"].items()},
-                cached["seconds"])
+    if cache.exists() and (cached := json.loads(cache.read_text())).get("tests") == tests \
+            and all(cached["digests"].get(p) == file_digest(p) for p in paths):
+        return ({f: {int(k): [t for t in v if test_exists(t)] for k, v in lines.items()}
+                 for f, lines in cached["lines"].items()}, cached["seconds"])
     with tempfile.TemporaryDirectory() as tmp:
         rc = Path(tmp) / "coveragerc"
         rc.write_text(f"[run]\nsource = hisparse\ndynamic_context = test_function\ndata_file = {tmp}/.coverage\n")
@@ -220,8 +222,24 @@ def coverage_map(out: Path, tests: str) -> tuple[dict[str, dict[int, list[str]]]
     files = json.loads((out / "coverage.json").read_text())["files"]
     by_line = {path: {int(line): sorted(filter(None, map(node_id, ctxs))) for line, ctxs in f["contexts"].items()}
                for path, f in files.items()}
-    cache.write_text(json.dumps({"key": key, "lines": by_line, "seconds": seconds}))
+    sources = (str(p.relative_to(ROOT)) for p in (ROOT / "hisparse").rglob("*.py"))
+    digests = {path: file_digest(path) for path in sources}
+    cache.write_text(json.dumps({"tests": tests, "digests": digests, "lines": by_line, "seconds": seconds}))
     return by_line, seconds
+
+
+def file_digest(path: str) -> str:
+    """The sha256 of a file of the tree as it is now ('' when it is gone)."""
+    file = ROOT / path
+    return hashlib.sha256(file.read_bytes()).hexdigest() if file.exists() else ""
+
+
+def test_exists(node: str) -> bool:
+    """Whether a pytest node id of the map (`tests/x.py::[Class::]test_y`) still names a function of its file."""
+    file, *names = node.split("::")
+    path = ROOT / file
+    pattern = rf"^\s*(async )?def {re.escape(names[-1])}\("
+    return path.exists() and re.search(pattern, path.read_text(), re.M) is not None
 
 
 def timed_tests(junit: Path) -> dict[str, float]:
@@ -233,15 +251,6 @@ def timed_tests(junit: Path) -> dict[str, float]:
         if test is not None:
             seconds[test] = seconds.get(test, 0.0) + float(case.get("time", 0.0))
     return seconds
-
-
-def sources_key(tests: str) -> str:
-    """A digest of the package's and the test suite's files as they are now, and of what the coverage run runs."""
-    h = hashlib.sha256(tests.encode())
-    for path in sorted(p for d in ("hisparse", "tests") for p in (ROOT / d).rglob("*") if p.is_file()
-                       and "__pycache__" not in p.parts):
-        h.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
-    return h.hexdigest()
 
 
 def node_id(context: str) -> str | None:
@@ -383,7 +392,8 @@ def main() -> None:
         retest(selected, done, tuple(args.retest.split(",")), args.timeout, log,
                set(args.ids.split(",")) if args.ids else set())
     elif not args.report_only:
-        covered, seconds = coverage_map(out, args.coverage_tests) if args.select == "coverage" else (None, {})
+        covered, seconds = (coverage_map(out, args.coverage_tests, {MODULES[n][0] for n in names})
+                            if args.select == "coverage" else (None, {}))
         with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(args.jobs) as pool:
             trees = [Path(tmp) / str(i) for i in range(args.jobs)]     # one copy of HEAD per concurrent mutant
             for tree in trees:
