@@ -61,7 +61,7 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
     "sampling": ("hisparse/engine/sampling.py", ("tests/test_sampling_processors.py", "tests/test_engine.py")),
     "speculative": ("hisparse/engine/speculative.py", ("tests/test_engine_speculative.py",)),
     "spec_decode": ("hisparse/engine/spec_decode.py", ("tests/test_engine_speculative.py",)),
-    "dcp_combine": ("hisparse/parallel/context.py", ("tests/test_dcp.py",)),
+    "dcp_combine": ("hisparse/parallel/context.py", ("tests/test_dcp_context.py", "tests/test_dcp.py")),
     "tp": ("hisparse/parallel/tp.py", ("tests/test_tp_vocab.py", "tests/test_tp.py")),
     "pages": ("hisparse/host_pool/pages.py", ("tests/test_hisparse_kv.py", "tests/test_prefix_cache.py")),
     "pool": ("hisparse/host_pool/pool.py", ("tests/test_pinned_pool.py", "tests/test_hisparse_kv.py")),
