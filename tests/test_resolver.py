@@ -176,34 +176,45 @@ def random_step(g: torch.Generator, R: int, positions: int) -> tuple:
     return slot_of_seg, step_start, step_row0, win_lo, win_len, seg, sel
 
 
-@needs_kernel
-@pytest.mark.parametrize("n_slots", [0, 1, 3, 16])
-def test_kernel_matches_torch(seed: int, n_slots: int) -> None:
-    """Fused kernel and torch code: identical plans and LRU metadata over many consecutive random steps."""
+def random_steps(seed: int, trials: int, steps: int, max_R: int, max_positions: int, n_slots: int):
+    """Consecutive random resolver steps over fresh trials: yields (trial, step, hot, args, window, sinks, released,
+    stamp, pages), where `hot` is the trial's HotSlots (a request released or rolled back between steps: `released`
+    (slot, position), already cleared on it), stamps may repeat, and odd trials have resident pages (hybrid)."""
     g = torch.Generator().manual_seed(seed)
-    for trial in range(20):
-        R, positions = int(torch.randint(1, 7, (), generator=g)), int(torch.randint(4, 80, (), generator=g))
+    for trial in range(trials):
+        R = int(torch.randint(1, max_R + 1, (), generator=g))
+        positions = int(torch.randint(4, max_positions, (), generator=g))
         window, sinks = (int(x) for x in torch.randint(0, 9, (2,), generator=g))
         hot = HotSlots(n_slots, torch.device("cpu"))
         hot.fit(R)
         stamp = 0
-        for step in range(8):
+        for step in range(steps):
             args = random_step(g, R, positions)
-            if step and int(torch.randint(0, 4, (), generator=g)) == 0:   # a released or rolled back request
-                hot.clear(int(torch.randint(0, R, (), generator=g)), int(torch.randint(0, positions, (), generator=g)))
-            stamp += int(torch.randint(0, 3, (), generator=g))            # stamps may repeat
-            pages = random_pages(g, args[0].numel(), positions) if trial % 2 else None   # hybrid: resident pages
-            twin, twin_pages = clone(hot), clone_pages(pages)
-            ref = resolve_on(False, hot, *args[:5], sinks, window, *args[5:], stamp, pages)
-            got = resolve_on(True, twin, *args[:5], sinks, window, *args[5:], stamp, twin_pages)
-            where = f"seed {seed} trial {trial} step {step}"
-            for name in ("keys", "kind", "local", "extra", "miss_seg", "miss_pos", "miss_dest"):
-                assert torch.equal(getattr(got, name), getattr(ref, name)), f"{name}, {where}"
-            assert ((got.n_unique, got.n_transient, got.n_resident)
-                    == (ref.n_unique, ref.n_transient, ref.n_resident)), where
-            assert torch.equal(twin.pos, hot.pos) and torch.equal(twin.stamp, hot.stamp), where
-            if pages is not None:
-                assert torch.equal(twin_pages.stamp, pages.stamp), where
+            released = None
+            if step and int(torch.randint(0, 4, (), generator=g)) == 0:
+                released = int(torch.randint(0, R, (), generator=g)), int(torch.randint(0, positions, (), generator=g))
+                hot.clear(*released)
+            stamp += int(torch.randint(0, 3, (), generator=g))
+            yield trial, step, hot, args, window, sinks, released, stamp, \
+                random_pages(g, args[0].numel(), positions) if trial % 2 else None
+
+
+@needs_kernel
+@pytest.mark.parametrize("n_slots", [0, 1, 3, 16])
+def test_kernel_matches_torch(seed: int, n_slots: int) -> None:
+    """Fused kernel and torch code: identical plans and LRU metadata over many consecutive random steps."""
+    for trial, step, hot, args, window, sinks, _, stamp, pages in random_steps(seed, 20, 8, 6, 80, n_slots):
+        twin, twin_pages = clone(hot), clone_pages(pages)
+        ref = resolve_on(False, hot, *args[:5], sinks, window, *args[5:], stamp, pages)
+        got = resolve_on(True, twin, *args[:5], sinks, window, *args[5:], stamp, twin_pages)
+        where = f"seed {seed} trial {trial} step {step}"
+        for name in ("keys", "kind", "local", "extra", "miss_seg", "miss_pos", "miss_dest"):
+            assert torch.equal(getattr(got, name), getattr(ref, name)), f"{name}, {where}"
+        assert ((got.n_unique, got.n_transient, got.n_resident)
+                == (ref.n_unique, ref.n_transient, ref.n_resident)), where
+        assert torch.equal(twin.pos, hot.pos) and torch.equal(twin.stamp, hot.stamp), where
+        if pages is not None:
+            assert torch.equal(twin_pages.stamp, pages.stamp), where
 
 
 def test_resident_pages_come_first(path: bool) -> None:
@@ -265,37 +276,27 @@ def test_static_plan_is_the_eager_plan(seed: int, n_slots: int) -> None:
     entries, kinds and rows, the same misses and slots they fill, the same counters and LRU metadata, over many
     consecutive random steps. 40 slots per request: past 16, an unstable sort on the CPU orders tied stamps
     (free slots, slots of one step) differently, so the victims' order is checked too."""
-    g = torch.Generator().manual_seed(seed)
-    for trial in range(12):
-        R, positions = int(torch.randint(1, 6, (), generator=g)), int(torch.randint(4, 120, (), generator=g))
-        window, sinks = (int(x) for x in torch.randint(0, 9, (2,), generator=g))
-        hot = HotSlots(n_slots, torch.device("cpu"))
-        hot.fit(R)
-        twin, stamp = clone(hot), 0
-        for step in range(6):
-            args = random_step(g, R, positions)
-            if step and int(torch.randint(0, 4, (), generator=g)) == 0:   # a released or rolled back request
-                slot, at = int(torch.randint(0, R, (), generator=g)), int(torch.randint(0, positions, (), generator=g))
-                hot.clear(slot, at)
-                twin.clear(slot, at)
-            stamp += int(torch.randint(0, 3, (), generator=g))
-            pages = random_pages(g, args[0].numel(), positions) if trial % 2 else None
-            twin_pages = clone_pages(pages)
-            ref = resolve_on(False, hot, *args[:5], sinks, window, *args[5:], stamp, pages)
-            got = resolve_static(twin, *args[:5], sinks, window, *args[5:], torch.tensor(stamp),
-                                 torch.ones(args[0].numel(), dtype=torch.long), True, twin_pages)
-            where = f"seed {seed} trial {trial} step {step}"
-            for name in ("keys", "kind", "local"):
-                assert torch.equal(getattr(got, name), getattr(ref, name)), f"{name}, {where}"
-            missed = (got.kind == EXTRA) | (got.fill_dest >= 0)
-            assert torch.equal(got.seg[missed], ref.miss_seg) and torch.equal(got.pos[missed], ref.miss_pos), where
-            assert torch.equal(got.fill_dest[missed], ref.miss_dest), where
-            assert got.counts.tolist() == [ref.n_unique, ref.n_misses, ref.n_resident], where
-            real = slice(0, hot.scratch)        # (the scratch slot takes the writes of entries that fill nothing)
-            assert torch.equal(twin.pos[real], hot.pos[real]), where
-            assert torch.equal(twin.stamp[real], hot.stamp[real]), where
-            if pages is not None:
-                assert torch.equal(twin_pages.stamp, pages.stamp), where
+    for trial, step, hot, args, window, sinks, released, stamp, pages in random_steps(seed, 12, 6, 5, 120, n_slots):
+        if step == 0:
+            twin = clone(hot)
+        elif released:
+            twin.clear(*released)
+        twin_pages = clone_pages(pages)
+        ref = resolve_on(False, hot, *args[:5], sinks, window, *args[5:], stamp, pages)
+        got = resolve_static(twin, *args[:5], sinks, window, *args[5:], torch.tensor(stamp),
+                             torch.ones(args[0].numel(), dtype=torch.long), True, twin_pages)
+        where = f"seed {seed} trial {trial} step {step}"
+        for name in ("keys", "kind", "local"):
+            assert torch.equal(getattr(got, name), getattr(ref, name)), f"{name}, {where}"
+        missed = (got.kind == EXTRA) | (got.fill_dest >= 0)
+        assert torch.equal(got.seg[missed], ref.miss_seg) and torch.equal(got.pos[missed], ref.miss_pos), where
+        assert torch.equal(got.fill_dest[missed], ref.miss_dest), where
+        assert got.counts.tolist() == [ref.n_unique, ref.n_misses, ref.n_resident], where
+        real = slice(0, hot.scratch)        # (the scratch slot takes the writes of entries that fill nothing)
+        assert torch.equal(twin.pos[real], hot.pos[real]), where
+        assert torch.equal(twin.stamp[real], hot.stamp[real]), where
+        if pages is not None:
+            assert torch.equal(twin_pages.stamp, pages.stamp), where
 
 
 def test_held_lists_every_position_a_slot_holds() -> None:
