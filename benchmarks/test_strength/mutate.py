@@ -346,6 +346,28 @@ def report(out: Path, selected: dict[str, list[Mutant]], done: dict[str, dict], 
         print(f"{module}: {modules[module]}", flush=True)
     (out / "mutation.json").write_text(json.dumps(
         {"command": command, "modules": modules, "survivors": survivors}, indent=2) + "\n")
+    retested = sorted((r for ms in selected.values() for m in ms if isinstance((r := done.get(m.id, {})).get("tests"),
+                       list) and r["status"] == "killed"), key=lambda r: r["id"])
+    (out / "mutation.md").write_text(markdown(modules, retested, survivors))
+
+
+def markdown(modules: dict[str, dict], retested: list[dict], survivors: list[dict]) -> str:
+    """The report's tables: the score per module, the survivors killed by tests written for them, the open ones."""
+    def name(test: str) -> str:
+        return f"`{test.split('::')[-1]}`"
+
+    rows = ["| module | sampled | run | killed (timeouts among them) | survived | equivalent | score |",
+            "|---|---|---|---|---|---|---|"]
+    for module, m in modules.items():
+        score = "" if m["score"] is None else f"**{m['score']:.3f}**"
+        rows.append(f"| {module} | {m['total'] + m['invalid'] + m['not_run']} | {m['total']} | "
+                    f"{m['killed'] + m['timeout']} ({m['timeout']}) | {m['survived'] - m['equivalent']} | "
+                    f"{m['equivalent']} | {score} |")
+    rows += ["", "Survivors of a first pass, killed by tests written for them:", "", "| mutant | killed by |",
+             "|---|---|", *(f"| `{r['id']}` | {', '.join(map(name, r['tests']))} |" for r in retested),
+             "", "Survivors not yet killed or explained:", ""]
+    rows += [f"- `{s['id']}`: `{s['original'].strip()}` -> `{s['mutated'].strip()}`" for s in survivors] or ["(none)"]
+    return "\n".join(rows) + "\n"
 
 
 def main() -> None:
