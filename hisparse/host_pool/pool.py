@@ -26,7 +26,7 @@ __all__ = ["GIB", "HostPool", "PoolExhausted"]
 class HostPool:
     """kv_sources[l]: the layer whose rows layer l reads (l itself for a KV owner)."""
 
-    def __init__(self, layout: RowLayout, kv_sources: Sequence[int], host_pool_gib: float, page_tokens: int = 64,
+    def __init__(self, layout: RowLayout, kv_sources: Sequence[int], host_pool_gib: float, page_tokens: int,
                  pin: bool | None = None):
         self.layout, self.page_tokens, self.kv_sources = layout, page_tokens, tuple(kv_sources)
         self.owner_layers = [l for l, src in enumerate(self.kv_sources) if src == l]
