@@ -12,7 +12,7 @@ from hisparse.engine.generate import greedy_generate
 from hisparse.kv.settings import KVSettings
 from hisparse.engine.request import SamplingParams
 from hisparse.engine.speculative import (OracleProposer, SpecState, SpeculativeConfig, SpeculativeDecoder,
-                                         accept_rejection, speculative_generate)
+                                         accept_rejection, processed_probs, speculative_generate)
 from hisparse.core.batch import Segment
 from hisparse.core.config import preset
 from hisparse.model.dspark import DSparkDrafter
@@ -228,3 +228,50 @@ def test_speculative_sampling_preserves_target_distribution(method: str, seed: i
     print(f"[seed {seed}] {method}: accepted {dec.stats.accepted}/{dec.stats.proposed} drafts, chi2 p = {pval:.3f}")
     assert dec.stats.proposed == 2 * trials and dec.stats.accepted < dec.stats.proposed
     assert pval > 1e-4, f"seed {seed}: {method}: first tokens do not follow the target (p = {pval:.2e})"
+
+
+def test_rejection_with_no_residual_mass_emits_from_the_target() -> None:
+    """Where rounding leaves max(0, p - q) without mass after a rejection, the emitted token comes from p itself.
+    Stood in for by p = q / 2 (every residual is 0): the first seed whose draw rejects emits p's token."""
+    V, d = 6, 4
+    q = torch.nn.functional.one_hot(torch.tensor([d]), V).double()
+    p = torch.cat((q / 2, torch.full((1, V), 1 / V, dtype=torch.float64)))
+    for s in range(64):
+        n_acc, y = accept_rejection(p, torch.tensor([d]), None, torch.Generator().manual_seed(s))
+        if n_acc == 0:
+            assert y == d
+            return
+    raise AssertionError("no seed rejected a draft accepted with probability 1/2")
+
+
+def test_rows_per_request_counts_the_drafts() -> None:
+    assert SpeculativeConfig.rows_per_request(None) == 1
+    assert SpeculativeConfig.rows_per_request(SpeculativeConfig("dspark", 3, "greedy")) == 4
+
+
+@pytest.mark.parametrize("top_k, top_p", [(-1, 1.0), (0, 1.0), (-1, 0.5), (3, 1.0), (3, 0.5), (7, 1.0)])
+def test_processed_probs_are_the_filtered_softmax(top_k: int, top_p: float, seed: int) -> None:
+    """The drafter's and the verifier's pi: softmax(logits / T) restricted to the top_k (0, -1: off) most likely
+    tokens and then to the fewest top tokens whose mass reaches top_p, renormalised; each setting alone too."""
+    V, T = 7, 0.8
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    got = processed_probs(logits, [SamplingParams(temperature=T, top_k=top_k, top_p=top_p)] * 3)
+    for row, probs in zip(logits, got, strict=True):
+        order = torch.argsort(row, descending=True)
+        keep = order[:top_k] if 0 < top_k < V else order
+        pk = torch.softmax(row[keep] / T, dim=0)
+        n = int((torch.cumsum(pk, 0) - pk < top_p).sum())          # the fewest whose mass reaches top_p
+        want = torch.zeros(V, dtype=torch.float64)
+        want[keep[:n]] = pk[:n] / pk[:n].sum()
+        torch.testing.assert_close(probs, want, rtol=1e-12, atol=1e-12)
+        assert int((probs > 0).sum()) == n
+
+
+def test_speculative_generate_stops_at_a_stop_token_inside_an_accepted_block(greedy_case) -> None:
+    """A stop token the oracle's drafts bring in ends the output with its first occurrence, as plain decoding
+    would (the drafts after it in the block are dropped)."""
+    model, prompt, ref = greedy_case
+    k = ref.index(ref[6])         # 6: the second token of the second block of 4 drafts (or an earlier one)
+    out, _ = speculative_generate(model, ResidentKV(model.cfg, None, dtype=model.dtype), OracleProposer(prompt + ref),
+                                  prompt, NEW, SpeculativeConfig(), stop_ids=(ref[k],))
+    assert out == ref[:k + 1]
