@@ -180,3 +180,16 @@ def test_top_p_keeps_the_fewest_top_tokens_that_reach_it(top_p: float, kept: int
     so a token whose higher-ranked mass already reaches it is dropped, and the top token always stays."""
     out = filter_top_k_top_p(torch.zeros(1, 4), torch.tensor([4]), torch.tensor([top_p]))
     assert int(torch.isfinite(out).sum()) == kept
+
+
+def test_forced_ids_come_out_first_token_zero_included() -> None:
+    """forced_token_ids replace the first sampled tokens, token 0 included (-1 marks a row that samples), and
+    sampling resumes after them."""
+    req = Request("f", [1, 2], SamplingParams(temperature=0.0, forced_token_ids=(0, 5)))
+    logits = torch.zeros(1, V)
+    logits[0, 9] = 1.0
+    got = []
+    for _ in range(3):
+        got += sample(logits, SamplingBatch.from_requests([req], V, torch.device("cpu"), EOS)).tolist()
+        req.output.append(got[-1])
+    assert got == [0, 5, 9]
