@@ -13,7 +13,8 @@ import torch
 from hisparse.core.config import preset
 from hisparse.model.ml4 import ML4
 from hisparse.model.weights import region_shape
-from hisparse.parallel.tp import TensorParallel, check_splits
+from hisparse.parallel.group import RankGroup
+from hisparse.parallel.tp import TensorParallel, check_splits, shard_for
 
 # the parameters tensor parallelism splits (the rest is replicated): (pattern, the dimension it splits)
 SPLIT = ((r"^tok_embeddings\.weight$", 0), (r"^output\.weight$", 0),
@@ -84,3 +85,13 @@ def test_ranks_and_splits_are_checked() -> None:
     check_splits(preset("tiny"), 4)
     with pytest.raises(ValueError, match=r"vocab_size \(512\) does not divide by 3"):
         check_splits(preset("tiny"), 3)
+
+
+def test_no_tensor_parallelism_without_a_group_of_two(tmp_path) -> None:
+    """The loader's shard hook: none without a group or for a group of one (a real one-rank gloo group)."""
+    assert shard_for(None) is None
+    group = RankGroup.init(0, 1, f"file://{tmp_path}/rendezvous")
+    try:
+        assert shard_for(group) is None
+    finally:
+        group.close()
