@@ -273,11 +273,13 @@ def targets_of(m: Mutant, covered: dict[str, dict[int, list[str]]] | None,
 
 def run_mutant(tree: Path, m: Mutant, timeout: float, covered: dict[str, dict[int, list[str]]] | None,
                seconds: dict[str, float], tests: tuple[str, ...] = ()) -> dict:
-    """The result record of one mutant: its source put into tree, its tests run, the original put back. With a
-    coverage map the time limit is 3x the covering tests' traced seconds plus a minute (pytest's start-up), at most
-    timeout (a hang, not a slow machine). Explicit `tests` replace the covering ones (a retest of a survivor)."""
+    """The result record of one mutant: its source put into tree, its tests run, the original put back. When its
+    tests come from the coverage map the time limit is 3x their traced seconds plus a minute (pytest's start-up), at
+    most timeout (a hang, not a slow machine); a table entry's run (no traced test) gets timeout itself. Explicit
+    `tests` replace the covering ones (a retest of a survivor)."""
+    traced = bool((covered or {}).get(m.path, {}).get(m.line))     # its tests come from the coverage map
     targets = tests or targets_of(m, covered, seconds)
-    if covered is not None and m.line in covered.get(m.path, {}):
+    if traced and not tests:
         timeout = min(timeout, 60.0 + 3 * sum(seconds.get(t, 0.0) for t in targets))
     try:
         compile(m.source, m.path, "exec")
@@ -293,8 +295,7 @@ def run_mutant(tree: Path, m: Mutant, timeout: float, covered: dict[str, dict[in
             put(file, original)
     return {"id": m.id, "module": m.module, "path": m.path, "line": m.line, "operator": m.operator,
             "original": m.original, "mutated": m.mutated, "status": status, "seconds": round(took, 1),
-            "tests": list(tests) if tests else len(targets) if covered and m.line in covered.get(m.path, {})
-            else "table"}
+            "tests": list(tests) if tests else len(targets) if traced else "table"}
 
 
 def load_done(path: Path, mutants: list[Mutant]) -> dict[str, dict]:
