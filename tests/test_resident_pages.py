@@ -15,7 +15,10 @@ import random
 import pytest
 import torch
 
+from hisparse.gpu_working_set import resolver
+from hisparse.gpu_working_set.kernels import resolve as native
 from hisparse.gpu_working_set.resident_pages import HOST_ONLY, ResidentPages
+from hisparse.gpu_working_set.resolver import HotSlots, PageMap
 
 CPU = torch.device("cpu")
 
@@ -175,3 +178,24 @@ def test_a_limit_at_the_current_count_changes_nothing() -> None:
     version = rp.version
     assert rp.free == [0, 2] and rp.limit(4) == [] and rp.limit(6) == []
     assert rp.free == [0, 2] and rp.version == version and rp.dev_of == {1: 1, 3: 3}       # page 2 still pops first
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_resolver_stamps_only_the_pages_it_reads(fused: bool) -> None:
+    """The stamps keep a scratch entry past the last page: the resolver's masked-out entries (padding, positions on
+    host-only pages) stamp it, never a real page (the last one included), so the spill order sees only reads."""
+    rp = ResidentPages(3, CPU)
+    rp.fit(4)
+    rp.grow(3)
+    rp.place([0, 1, 2], set())
+    rp.apply()
+    hot = HotSlots(2, CPU)
+    hot.fit(1)
+    pages = PageMap(rp.slot_of[None, :4], 4, rp.stamp)      # host pages 0-2 on device pages 0-2, page 3 host-only
+    sel = torch.tensor([[1, 13, -1, -1]])                   # page 0, page 3 (host only), padding
+    run = resolver.resolve if fused else resolver.resolve_torch
+    if fused and not native.available():
+        pytest.skip("no C++ compiler for the resolver kernel")
+    run(hot, torch.tensor([0]), torch.tensor([14]), torch.tensor([0]), torch.tensor([10]), torch.tensor([4]), 0, 4,
+        torch.tensor([0]), sel, 7, pages)
+    assert rp.stamp[:3].tolist() == [7, 0, 0]
