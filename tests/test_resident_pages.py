@@ -199,3 +199,14 @@ def test_the_resolver_stamps_only_the_pages_it_reads(fused: bool) -> None:
     run(hot, torch.tensor([0]), torch.tensor([14]), torch.tensor([0]), torch.tensor([10]), torch.tensor([4]), 0, 4,
         torch.tensor([0]), sel, 7, pages)
     assert rp.stamp[:3].tolist() == [7, 0, 0]
+
+
+def test_after_a_limit_the_lowest_free_page_goes_first() -> None:
+    rp = ResidentPages(6, CPU)
+    rp.fit(6)
+    rp.grow(6)
+    rp.place(range(6), set())
+    rp.release([5, 1, 2])                    # free, popped from the end: 2 (freed last) goes first
+    assert rp.free == [5, 1, 2] and rp.limit(5) == [] and rp.free == [2, 1]
+    rp.place([6], set())
+    assert rp.dev_of[6] == 1
