@@ -302,3 +302,15 @@ def test_an_attached_request_has_the_window_of_its_cached_positions(model, cache
     slot = kv.slot_of["b"]
     assert n == cached_pages * PAGE
     assert (int(kv.win_lo[slot]), int(kv.win_len[slot])) == (max(0, n - 32), n)
+
+
+def test_stores_cache_nothing_unless_asked(model) -> None:
+    """Prefix caching is opt-in: a store built without it frees a finished request's full pages instead of
+    caching them."""
+    cfg = model.cfg
+    ps = documents(model, 1, 60, 1, seed=5)
+    for kv in (HiSparseKV(cfg, "fp8_ds_mla", host_pool_gib=gib(cfg, 14), hot_buffer_tokens=16, resident_window=8,
+                          page_tokens=PAGE),
+               ResidentKV(cfg, "fp8_ds_mla", budget_tokens=14 * PAGE, page_tokens=PAGE)):
+        run_waves(model, kv, [ps])
+        assert not kv.prefix_caching and kv.cached_pages() == 0 and kv.pages.pages_used == 0
