@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import ast
 import bisect
+import functools
 import hashlib
 import itertools
 import json
@@ -237,9 +238,16 @@ def file_digest(path: str) -> str:
 def test_exists(node: str) -> bool:
     """Whether a pytest node id of the map (`tests/x.py::[Class::]test_y`) still names a function of its file."""
     file, *names = node.split("::")
+    return names[-1] in functions_of(file)
+
+
+@functools.cache
+def functions_of(file: str) -> frozenset[str]:
+    """The names of the functions a test file defines (read once per run); empty when it is gone."""
     path = ROOT / file
-    pattern = rf"^\s*(async )?def {re.escape(names[-1])}\("
-    return path.exists() and re.search(pattern, path.read_text(), re.M) is not None
+    if not path.exists():
+        return frozenset()
+    return frozenset(re.findall(r"^\s*(?:async )?def (\w+)\(", path.read_text(), re.M))
 
 
 def timed_tests(junit: Path) -> dict[str, float]:
