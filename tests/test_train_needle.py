@@ -22,7 +22,10 @@ from hisparse.train.evaluate import passkey_accuracy
 import hisparse.train.forward as fw
 from hisparse.train.forward import train_forward
 from hisparse.train.recipe import TOKENIZER_WORDS, Gate, Recipe, Stage, retrieval_params
-from hisparse.train.trainer import DISPATCH_VARS, init_model, numeric_env, train, trained_steps
+from hisparse.model.weights import save_model
+from hisparse.train.drafter import drafter_params, with_drafter
+import hisparse.train.trainer as trainer
+from hisparse.train.trainer import DISPATCH_VARS, PARTIAL_FILE, init_model, numeric_env, train, trained_steps
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 SHIPPED = Path(__file__).resolve().parents[1] / "checkpoints" / "needle-ml4"
@@ -127,6 +130,71 @@ def test_a_gated_stage_retries_until_its_gate_holds_and_resumes_between_rounds(t
     assert log_records(tmp_path / "a") == log_records(tmp_path / "c")
 
 
+class Interrupt(Exception):
+    pass
+
+
+def test_a_run_interrupted_mid_round_resumes_from_its_partial_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A long stage saves its round's progress (weights, AdamW state, step) as it goes; a run killed mid-round
+    and resumed ends with the uninterrupted run's weights and log, in the first round and in a retry."""
+    recipe = Recipe(seed=7, stages=(Stage("dense", 2, 16, 48, False, 1e-3),
+                                    Stage("topk", 3, 96, 200, True, 1e-3, topk_only=True, threads=2,
+                                          gate=Gate(1.0, 2, retry_steps=3, retries=1))),
+                    tokens_per_batch=512, warmup=2, kl_recent_keys=8)
+    monkeypatch.setattr(trainer, "PARTIAL_EVERY_S", 0.0)
+    a = train(tmp_path / "a", recipe)
+    assert not (tmp_path / "a" / PARTIAL_FILE).exists()
+    assert [r.get("round", 0) for r in log_records(tmp_path / "a") if r["stage"] == "topk"] == [0, 0, 0, 1, 1, 1]
+    real = trainer.topk_forward
+    for stop_at in (2, 5):      # topk steps before the kill: mid first round, mid retry
+        calls = []
+
+        def dies(*args, **kw):
+            calls.append(1)
+            if len(calls) > stop_at:
+                raise Interrupt
+            return real(*args, **kw)
+
+        out = tmp_path / f"killed-{stop_at}"
+        monkeypatch.setattr(trainer, "topk_forward", dies)
+        with pytest.raises(Interrupt):
+            train(out, recipe)
+        assert (out / PARTIAL_FILE).exists()
+        resumed = []
+
+        def counts(*args, **kw):
+            resumed.append(1)
+            return real(*args, **kw)
+
+        monkeypatch.setattr(trainer, "topk_forward", counts)
+        b = train(out, recipe, resume=True)
+        assert len(resumed) == 6 - stop_at      # only the steps after the save run again
+        for (n, p), q in zip(a.named_parameters(), b.parameters()):
+            assert torch.equal(p, q), (stop_at, n)
+        assert log_records(tmp_path / "a") == log_records(out)
+        assert not (out / PARTIAL_FILE).exists()
+
+
+def test_a_shipped_checkpoint_resumes_into_a_new_stage(tmp_path: Path):
+    """A checkpoint kept without its stage folders (the model, its log, a drafter distilled from it) trains the
+    stages a longer recipe adds as the full run would, and drops the drafter that no longer matches its weights."""
+    short = Recipe(seed=2, stages=(Stage("dense", 2, 16, 48, False, 1e-3), Stage("sparse", 2, 64, 160, True, 1e-3)),
+                   tokens_per_batch=512, warmup=2)
+    longer = replace(short, stages=short.stages + (Stage("more", 2, 96, 200, True, 1e-3),))
+    full = train(tmp_path / "full", longer)
+    shipped = tmp_path / "shipped"
+    model = train(shipped, short)
+    for stage in short.stages:
+        shutil.rmtree(shipped / f"after-{stage.name}")
+    save_model(with_drafter(model, drafter_params(model.cfg), seed=0), shipped)
+    assert load_model(shipped).mtp_dspark is not None
+    resumed = train(shipped, longer, resume=True)
+    assert resumed.mtp_dspark is None and load_model(shipped).mtp_dspark is None
+    for (n, p), q in zip(full.named_parameters(), resumed.parameters()):
+        assert torch.equal(p, q), n
+    assert log_records(tmp_path / "full") == log_records(shipped)
+
+
 def test_resume_warns_when_the_log_came_from_another_numeric_environment(tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch):
     for var in DISPATCH_VARS:
@@ -145,11 +213,14 @@ def test_resume_warns_when_the_log_came_from_another_numeric_environment(tmp_pat
 
 
 def test_the_shipped_run_meets_every_gate_of_the_recipe_in_its_first_round():
-    """The gates were added after the shipped run: it would have run exactly as it did (no retries)."""
+    """The gates were added after the shipped run: it would have run exactly as it did (no retries). Its stages
+    are the recipe's first ones (a stage the recipe adds trains from it with `--resume`)."""
     steps: dict[str, list[float]] = {}
     for rec in log_records(SHIPPED):
         steps.setdefault(rec["stage"], []).append(rec["answer_exact"])
-    for stage in Recipe().stages:
+    recipe = [stage.name for stage in Recipe().stages]
+    assert list(steps) == recipe[:len(steps)] and len(steps) >= 7
+    for stage in Recipe().stages[:len(steps)]:
         assert len(steps[stage.name]) == stage.steps, stage.name
         assert stage.gate is None or stage.gate.met(steps[stage.name]), stage.name
 

@@ -77,6 +77,8 @@ class Recipe:
               gate=Gate(0.875, 8, 12)),
         Stage("sparse-40k", 30, 24576, 40960, True, 2e-4, warmup=4, topk_only=True, threads=2,
               gate=Gate(0.875, 8, 15)),
+        Stage("sparse-128k", 30, 32768, 131072, True, 2e-4, warmup=4, topk_only=True, threads=2,
+              gate=Gate(0.875, 8, 15)),
     ))
     tokens_per_batch: int = 3072       # sequences of one length per batch, as many as fit
     answer_weight: float = 2.0         # the answer's mean CE is added to the all-token mean CE with this weight

@@ -18,7 +18,7 @@ import os
 import random
 import time
 import warnings
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TextIO
 
@@ -105,6 +105,8 @@ def stage_dir(out: Path, stage: Stage) -> Path:
 
 
 STEPS_FILE = "stage_steps"   # in a stage checkpoint: how many of the stage's steps (all rounds) it has seen
+PARTIAL_FILE = "partial.pt"   # the round in progress: weights and optimizer after its last saved step
+PARTIAL_EVERY_S = 60.0        # how often a round saves its progress (a 128k step takes minutes)
 
 
 DISPATCH_VARS = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA")
@@ -141,7 +143,8 @@ def _train(out: Path, recipe: Recipe, resume: bool) -> ML4:
     model = init_model(cfg, recipe.seed).train()
     data = PasskeyBatches(out, recipe.seed)
     env = numeric_env()
-    trained = trained_steps(out, recipe, env) if resume else {}
+    partial = RoundState.load(out) if resume else None
+    trained = trained_steps(out, recipe, env, partial) if resume else {}
     log = open(out / "train_log.jsonl", "w")
     log.write(json.dumps({"recipe": asdict(recipe), "params": retrieval_params(), "env": env}) + "\n")
     t0 = time.time()
@@ -150,14 +153,19 @@ def _train(out: Path, recipe: Recipe, resume: bool) -> ML4:
         for rec in records:
             data.batch(stage, recipe.tokens_per_batch)
             log.write(json.dumps(rec) + "\n")
-        if records:
+        state = partial if partial is not None and partial.stage == stage.name else None
+        if records and (state is None or state.start > 0):
             model = load_stage(out, stage)
         exact = [rec["answer_exact"] for rec in records]
-        while not stage_done(stage, exact):
+        while state is not None or not stage_done(stage, exact):
+            start = state.start if state is not None else len(exact)
             torch.set_num_threads(stage.threads)
-            exact += train_round(model, stage, rounds_of(stage, len(exact)), data, recipe, log, t0)
+            at = Progress(out, log, t0, start, state, exact[start:])
+            exact = exact[:start] + train_round(model, stage, data, recipe, at)
+            state = None
             save_model(model, stage_dir(out, stage))
             (stage_dir(out, stage) / STEPS_FILE).write_text(str(len(exact)))
+            (out / PARTIAL_FILE).unlink(missing_ok=True)
             model = load_stage(out, stage)
     log.close()
     model.eval()
@@ -180,35 +188,84 @@ def stage_done(stage: Stage, exact: list[float]) -> bool:
     return stage.gate.met(exact) or rounds > stage.gate.retries
 
 
-def trained_steps(out: Path, recipe: Recipe, env: dict[str, str]) -> dict[str, list[dict]]:
-    """For resume: the logged steps of each stage up to its checkpoint, for the stages with one, in recipe order
-    (the log may run past a checkpoint, into a round that was interrupted). Warns when the log was written in
-    another numeric environment than `env`: the resumed run is then not the run its seed would give here."""
+def trained_steps(out: Path, recipe: Recipe, env: dict[str, str],
+                  partial: RoundState | None = None) -> dict[str, list[dict]]:
+    """For resume: the logged steps of each stage up to its checkpoint, in recipe order (the log may run past a
+    checkpoint, into a round that was interrupted). A stage's checkpoint is its `after-<stage>` folder, or the
+    round in progress's `partial` save, or, for a finished stage without a folder (a shipped checkpoint and its
+    log), the checkpoint in `out` itself. Warns when the log was written in another numeric environment than
+    `env`: the resumed run is then not the run its seed would give here."""
     header, *lines = [json.loads(ln) for ln in (out / "train_log.jsonl").read_text().splitlines()]
     if header.get("env") != env:
         warnings.warn(f"resuming a run logged in another numeric environment (logged: {header.get('env')}; "
                       f"here: {env}): its steps will not be bit-identical to an uninterrupted run")
     trained = {}
     for stage in recipe.stages:
+        logged = [rec for rec in lines if rec["stage"] == stage.name]
         ckpt = stage_dir(out, stage)
-        if not (ckpt / "params.json").exists():
-            break
         steps_file = ckpt / STEPS_FILE
-        n = int(steps_file.read_text()) if steps_file.exists() else stage.steps  # written before gates existed
-        trained[stage.name] = [rec for rec in lines if rec["stage"] == stage.name][:n]
+        if partial is not None and partial.stage == stage.name:
+            trained[stage.name] = logged[:partial.start + partial.step]
+            break
+        if (ckpt / "params.json").exists():   # a stage folder written before gates existed has no steps file
+            trained[stage.name] = logged[:int(steps_file.read_text()) if steps_file.exists() else stage.steps]
+        elif (out / "params.json").exists() and stage_done(stage, [rec["answer_exact"] for rec in logged]):
+            trained[stage.name] = logged
+        else:
+            break
     return trained
 
 
-def train_round(model: ML4, stage: Stage, round_: int, data: PasskeyBatches, recipe: Recipe, log: TextIO,
-                t0: float) -> list[float]:
-    """One round of a stage (the stage's steps, or its gate's retry steps) with a fresh AdamW; logs every step
-    and returns each step's teacher-forced answer exact match."""
+@dataclass
+class RoundState:
+    """A round in progress, as saved after one of its steps: the stage's steps before the round (`start`), the
+    round's steps done (`step`), and the fp32 weights and AdamW state after them. Resuming from it fast-forwards
+    the data stream as for a finished round, so the run's weights stay those of an uninterrupted run."""
+    stage: str
+    start: int
+    step: int
+    model: dict
+    opt: dict
+
+    def save(self, out: Path) -> None:
+        tmp = out / (PARTIAL_FILE + ".tmp")
+        torch.save(asdict(self), tmp)
+        os.replace(tmp, out / PARTIAL_FILE)     # a crash mid-write leaves the previous save
+
+    @staticmethod
+    def load(out: Path) -> RoundState | None:
+        path = out / PARTIAL_FILE
+        return RoundState(**torch.load(path, weights_only=True)) if path.exists() else None
+
+
+@dataclass
+class Progress:
+    """Where a round writes (checkpoint folder, log, the run's start time) and where it starts: the stage's steps
+    before it and, when resuming, the saved state of the round and its steps' logged exact matches."""
+    out: Path
+    log: TextIO
+    t0: float
+    start: int
+    state: RoundState | None = None
+    done: list[float] = field(default_factory=list)
+
+
+def train_round(model: ML4, stage: Stage, data: PasskeyBatches, recipe: Recipe, at: Progress) -> list[float]:
+    """One round of a stage (the stage's steps, or its gate's retry steps) with a fresh AdamW, or the rest of an
+    interrupted one; logs every step, saves the round's progress every PARTIAL_EVERY_S seconds, and returns each
+    of the round's steps' teacher-forced answer exact match (the resumed round's earlier steps from the log)."""
+    round_ = rounds_of(stage, at.start)
     steps = stage.steps if round_ == 0 else stage.gate.retry_steps
     index_topk = model.cfg.index_topk if stage.sparse else None
     opt = torch.optim.AdamW(model.parameters(), lr=stage.lr, betas=(0.9, 0.95), weight_decay=0.01)
-    bar = tqdm(range(steps), desc=f"train-needle {stage.name}" + (f" (retry {round_})" if round_ else ""),
-               mininterval=5)
-    exacts = []
+    first, exacts = 0, []
+    if at.state is not None:
+        model.load_state_dict(at.state.model)
+        opt.load_state_dict(at.state.opt)
+        first, exacts = at.state.step, list(at.done)
+    bar = tqdm(range(first, steps), desc=f"train-needle {stage.name}" + (f" (retry {round_})" if round_ else ""),
+               mininterval=5, initial=first, total=steps)
+    saved = time.time()
     for step in bar:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, steps, stage, recipe.warmup)
@@ -230,18 +287,29 @@ def train_round(model: ML4, stage: Stage, round_: int, data: PasskeyBatches, rec
             exacts.append(hit.all(dim=1).float().mean().item())
         rec = {"stage": stage.name, "step": step, "T": tokens.shape[1], "B": tokens.shape[0],
                "loss": round(loss.item(), 4), "answer_ce": round(ans_ce.item(), 4),
-               "index_kl": round(index_kl.item(), 4), "answer_exact": exacts[-1], "s": round(time.time() - t0, 1)}
+               "index_kl": round(index_kl.item(), 4), "answer_exact": exacts[-1], "s": round(time.time() - at.t0, 1)}
         if round_:
             rec["round"] = round_
-        log.write(json.dumps(rec) + "\n")
-        log.flush()
+        at.log.write(json.dumps(rec) + "\n")
+        at.log.flush()
+        if step + 1 < steps and time.time() - saved >= PARTIAL_EVERY_S:
+            RoundState(stage.name, at.start, step + 1, model.state_dict(), opt.state_dict()).save(at.out)
+            saved = time.time()
         bar.set_postfix(ans=rec["answer_ce"], kl=rec["index_kl"], exact=exacts[-1], T=rec["T"])
     return exacts
 
 
 def load_stage(out: Path, stage: Stage) -> ML4:
-    """A stage's checkpoint as the next stage trains it (fp32 copy of the stored weights)."""
-    return load_model(stage_dir(out, stage)).train()
+    """A stage's checkpoint as the next stage trains it (fp32 copy of the stored weights): its own folder, or the
+    checkpoint in `out` (a shipped model). A DSpark drafter stored with it is dropped: it was distilled from the
+    weights that training now changes (`hisparse train-drafter` distils a new one)."""
+    ckpt = stage_dir(out, stage)
+    model = load_model(ckpt if (ckpt / "params.json").exists() else out, progress=False)
+    if model.mtp_dspark is not None:
+        bare = ML4(ModelConfig.from_params(retrieval_params()))
+        bare.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("mtp_dspark.")})
+        model = bare
+    return model.train()
 
 
 def report(out: Path, lengths: list[int], samples: int, settings: KVSettings, seed: int) -> dict:
