@@ -16,10 +16,13 @@ from conftest import full_forward, random_tokens, tiny_model
 from hisparse.kv import scoring as indexer_module
 from hisparse.core.batch import ForwardTrace, Segment
 from hisparse.kv.scoring import index_scores, paged_topk, score_dtype, select_topk
-from hisparse.kv.kernels.indexer_topk import Build, fused_topk, fused_topk_paged
+from hisparse.kv.kernels.indexer_topk import Build, fused_topk, fused_topk_paged, has_amx
 from hisparse.kv.resident import ResidentKV
 
 pytestmark = pytest.mark.usefixtures("single_thread")
+# the default (AMX tiles where the CPU has them, else the FMA filter), the FMA filter alone, 256-bit lanes, none
+BUILDS = [Build(), Build(amx=False), Build(vec_bytes=32), Build(filter=False)]
+BUILD_IDS = ["default", "fma-filter", "256bit", "unfiltered"]
 
 
 def random_case(g: torch.Generator, dtype: torch.dtype, kind: str, T: int, S: int, HI: int, dI: int
@@ -54,8 +57,7 @@ def torch_topk(q: torch.Tensor, wr: torch.Tensor, keys: torch.Tensor, n_visible:
     return cols, picked
 
 
-@pytest.mark.parametrize("build", [Build(), Build(vec_bytes=32), Build(filter=False)],
-                         ids=["default", "256bit", "unfiltered"])
+@pytest.mark.parametrize("build", BUILDS, ids=BUILD_IDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("kind", ["normal", "ties", "dup", "near"])
 def test_fused_equals_torch_path(seed: int, dtype: torch.dtype, kind: str, build: Build) -> None:
@@ -81,6 +83,37 @@ def test_fused_long_context(seed: int, k: int) -> None:
     q, wr, keys, _ = random_case(g, torch.float32, "normal", T, S, 2, 16)
     n_visible = torch.arange(S - T + 1, S + 1)
     assert torch.equal(fused_topk(q, wr, keys, n_visible, k)[0], torch_topk(q, wr, keys, n_visible, k)[0])
+
+
+@pytest.mark.parametrize("HI", [1, 2, 4, 8, 16, 32])
+@pytest.mark.parametrize("kind", ["normal", "near", "dup"])
+def test_tile_filter_shapes(seed: int, HI: int, kind: str) -> None:
+    """The AMX filter's shapes: 16 / HI rows per tile (or HI / 16 tiles per row), dI padded to whole 32-wide tile
+    columns (one or several), the last group of a row tile partly empty, rows whose heaps fill inside the
+    scan, causal limits inside a block. Selections and scores are the torch path's."""
+    g = torch.Generator().manual_seed(seed)
+    for dI in (1, 31, 32, 33, 64, 128):
+        T, S = int(torch.randint(1, 40, (1,), generator=g)), int(torch.randint(300, 3000, (1,), generator=g))
+        k = int(torch.randint(1, 80, (1,), generator=g))
+        q, wr, keys, n_visible = random_case(g, torch.float32, kind, T, S, HI, dI)
+        cols, scores = fused_topk(q, wr, keys, n_visible, k, with_scores=True)
+        want_cols, want_scores = torch_topk(q, wr, keys, n_visible, k)
+        case = f"T={T} S={S} HI={HI} dI={dI} k={k}"
+        assert torch.equal(cols, want_cols), case
+        assert torch.equal(scores, want_scores), case
+
+
+def test_tile_filter_is_used_where_the_cpu_has_it() -> None:
+    """On a CPU with AMX the default build filters with tiles (so the tests above run that path), and the build
+    without it does not."""
+    try:
+        flags = next(ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")).split()
+    except (OSError, StopIteration):
+        pytest.skip("no /proc/cpuinfo: cannot tell whether this CPU has AMX")
+    if "amx_bf16" not in flags or "avx512f" not in flags:
+        pytest.skip("this CPU has no AMX bf16 tiles: the default build is the FMA filter")
+    assert has_amx()
+    assert not has_amx(Build(amx=False)) and not has_amx(Build(filter=False))
 
 
 def test_fused_threads_agree(seed: int) -> None:
@@ -132,8 +165,7 @@ def paged_case(g: torch.Generator, dtype: torch.dtype, kind: str, page_tokens: i
     return q, wr, arena, table, row_seg, n_visible
 
 
-@pytest.mark.parametrize("build", [Build(), Build(vec_bytes=32), Build(filter=False)],
-                         ids=["default", "256bit", "unfiltered"])
+@pytest.mark.parametrize("build", BUILDS, ids=BUILD_IDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("page_tokens", [1, 8, 12, 16, 64])
 def test_paged_equals_contiguous(seed: int, page_tokens: int, dtype: torch.dtype, build: Build) -> None:

@@ -41,9 +41,10 @@ from benchmarks.needle.prompt import PromptBuilder
 from benchmarks.needle.tokens import LocalCounter
 
 
-BASELINES = {   # other builds of the kernel, timed against the default (widest lanes, FMA filter)
-    "256bit_unfiltered (the kernel before both)": indexer_topk.Build(vec_bytes=32, filter=False),
+BASELINES = {   # other builds of the kernel, timed against the default (widest lanes, AMX or FMA filter)
+    "256bit_unfiltered (the kernel before all filters)": indexer_topk.Build(vec_bytes=32, filter=False),
     "unfiltered": indexer_topk.Build(filter=False),
+    "fma_filter (no AMX)": indexer_topk.Build(amx=False),
 }
 
 

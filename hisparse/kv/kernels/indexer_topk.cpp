@@ -14,6 +14,11 @@
 // explicit FMA intrinsics (an approximation within a rigorous bound of the exact score, see scan), and only the
 // vectors that come within that bound of the threshold are scored exactly: selections and scores are unchanged.
 //
+// Where the CPU has AMX (bf16 tiles), the filter of full rows is a tile product instead: a group of 16 / HI rows
+// (all their heads: 16 tile rows) against 16 keys at a time, q and keys rounded to bf16, sums in fp32, so each
+// (row, key) costs a few instructions instead of HI x dI FMAs. Its error bound (amx_slack) is wider than the FMA
+// filter's, so a few more vectors are scored exactly; selections and scores are the exact ones either way.
+//
 // Keys are paged: each query row belongs to a segment (a request), whose logical key j lives in a shared arena
 // at row table[seg][j / page_tokens] * page_tokens + j % page_tokens. Only the key addressing depends on it: a
 // block of keys is gathered through the page table while it is transposed, and scores and positions are those
@@ -38,6 +43,21 @@
 #include <omp.h>
 #endif
 
+// The AMX filter: with AVX-512 lanes (a tile row of 16 fp32 scores is one vector), unless filters are off or
+// -DAMX=0 (benchmarks). It also needs the kernel's permission to use tile data, asked for once (amx_ready).
+#ifndef AMX
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__linux__) && \
+    (!defined(FILTER) || FILTER) && (!defined(VEC_BYTES) || VEC_BYTES == 64)
+#define AMX 1
+#else
+#define AMX 0
+#endif
+#endif
+#if AMX
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace {
 
 constexpr int64_t TILE_ROWS = 256;   // query rows that scan one cached block of keys in turn
@@ -55,6 +75,32 @@ struct E4M3 {
     }
 };
 const E4M3 E4M3_VALUES;
+
+#if AMX
+// Linux hands out AMX tile state on request (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA), once per process.
+bool amx_ready() {
+    static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return ok;
+}
+
+// The tile shapes: every tile 16 rows of 64 bytes (16 fp32 scores, or 32 bf16 of a row of q or a key pair row).
+struct TileConfig {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+    TileConfig() {
+        for (int t = 0; t < 8; ++t) colsb[t] = 64, rows[t] = 16;
+    }
+};
+
+// fp32 -> bf16, rounded to nearest even (NaN stays NaN): within 2^-9 relative of x for normal values.
+uint16_t bf16(float x) {
+    uint32_t b;
+    std::memcpy(&b, &x, sizeof b);
+    if ((b & 0x7FFFFFFFu) > 0x7F800000u) return uint16_t((b >> 16) | 0x40);
+    return uint16_t((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+}
+#endif
 
 // SIMD width in bytes: a zmm register where the CPU has AVX-512 (twice the keys per instruction), else a ymm one.
 // Lanes never mix, so the width changes speed only, never a score.
@@ -112,6 +158,8 @@ struct Indexer {
         int64_t n_pos;          // heads with w > 0
         int64_t groups, bound_tried, bound_passed;   // filtered groups; those the positive-head bound was tried
                                                      // on, and did not skip
+        T amx_q = 0, amx_abs = 0;   // the AMX filter's slack: amx_q * |k| + amx_abs (filter_slack)
+        double a = 0, qmax = 0;     // sum_h |w_h| |q_h| and max_h |q_h|: whether the tile sums stay finite
 
         // Whether to bound by the positive heads first: it costs n_pos heads per group and saves HI on the groups
         // it skips, judged on the groups it was tried on; tried on every 8th group anyway, as the threshold rises.
@@ -292,22 +340,107 @@ struct Indexer {
         }
     }
 
+#if AMX
+    // Rows i0 .. i0 + R - 1 of the tile (R = 16 / HI, or 1 with HI / 16 tile rows each: M = R * HI tile rows,
+    // their bf16 queries qb [M, dIp] and keys kb16 in pair rows: per 16 keys [dIp / 2, 16, 2]) against the
+    // block's keys, the rows marked in `on` only (their heaps full). The tile products give every head's dot
+    // for every 16 keys; each row then sums its heads with FMA and scores exactly the vectors that come within
+    // its slack of its threshold, in key order. cbuf: [kb / 16, M, 16] fp32.
+    void amx_block(Row* rows, const bool* on, int64_t R, const uint16_t* qb, int64_t dIp, const uint16_t* kb16,
+                   const T* kt, int64_t b0, int64_t kb, T kmax, float* cbuf) const {
+        const int64_t M = R * HI, kc = dIp / 32, chunk = dIp * 16;   // chunk: bf16 values per 16 keys
+        int64_t n_chunks = 0;
+        for (int64_t i = 0; i < R; ++i)
+            if (on[i]) n_chunks = std::max(n_chunks, (std::min(kb, rows[i].n - b0) + 15) / 16);
+        // every tile product of the block first, then the sums: a tile store is read back long after it is issued
+        const bool one_a = M == 16 && kc == 1;   // the group's queries fit one A tile: loaded once
+        if (one_a) _tile_loadd(2, qb, dIp * 2);
+        for (int64_t c = 0; c < n_chunks; c += 2)
+            for (int64_t mt = 0; mt < M / 16; ++mt) {
+                _tile_zero(0);
+                _tile_zero(1);
+                for (int64_t j = 0; j < kc; ++j) {
+                    if (!one_a) _tile_loadd(2, qb + mt * 16 * dIp + j * 32, dIp * 2);
+                    _tile_loadd(3, kb16 + c * chunk + j * 512, 64);
+                    _tile_loadd(4, kb16 + (c + 1) * chunk + j * 512, 64);
+                    _tile_dpbf16ps(0, 2, 3);
+                    _tile_dpbf16ps(1, 2, 4);
+                }
+                _tile_stored(0, cbuf + (c * M + mt * 16) * 16, 64);
+                _tile_stored(1, cbuf + ((c + 1) * M + mt * 16) * 16, 64);
+            }
+        for (int64_t i = 0; i < R; ++i) {
+            if (!on[i]) continue;
+            Row& r = rows[i];
+            const int64_t n_blk = std::min(kb, r.n - b0);
+            const T slack = r.amx_q * kmax + r.amx_abs;
+            for (int64_t cc = 0; cc * 16 < n_blk; ++cc) {
+                const float* cr = cbuf + (cc * M + i * HI) * 16;
+                __m512 sum = _mm512_mul_ps(_mm512_max_ps(_mm512_load_ps(cr), _mm512_setzero_ps()),
+                                           _mm512_set1_ps(r.w[0]));
+                for (int64_t h = 1; h < HI; ++h)
+                    sum = _mm512_fmadd_ps(_mm512_max_ps(_mm512_load_ps(cr + h * 16), _mm512_setzero_ps()),
+                                          _mm512_set1_ps(r.w[h]), sum);
+                // NaN sums (not ordered) are scored exactly too
+                if (_mm512_cmp_ps_mask(sum, _mm512_set1_ps(r.thr - slack), _CMP_NLE_UQ))
+                    offer(r, exact_one(r.q, r.w, kt + cc / U * G * dI + cc % U * L), cc * 16, n_blk, b0);
+            }
+        }
+    }
+
+    // Whether a full row's block may go through amx_block: its slack is finite and its tile sums cannot
+    // overflow (|q_h| |k| and sum_h |w_h| |q_h| |k| far below the fp32 range).
+    bool amx_fits(const Row& r, T kmax) const {
+        const double big = std::ldexp(1.0, 60);
+        return r.count == k && !r.done && r.qmax <= big && double(kmax) <= big &&
+               r.a * double(kmax) <= big * big && r.amx_q * kmax + r.amx_abs < std::numeric_limits<T>::infinity();
+    }
+
+    // The block's keys (kt: groups of G, each [dI, G], zero-padded) -> kb16: per 16 keys, dIp / 2 pair rows of
+    // (key n: dims 2p, 2p + 1) in bf16, zero past dI: the B tiles of amx_block.
+    void to_pairs(const T* kt, int64_t nb, int64_t dIp, uint16_t* kb16) const {
+        const int64_t n_chunks = (nb + G - 1) / G * (G / 16);
+        for (int64_t c = 0; c < n_chunks; ++c) {
+            const T* g = kt + c * 16 / G * G * dI + c * 16 % G;
+            uint16_t* out = kb16 + c * dIp * 16;
+            for (int64_t d = 0; d < dIp; ++d)
+                for (int64_t n = 0; n < 16; ++n)
+                    out[d / 2 * 32 + n * 2 + d % 2] = d < dI ? bf16(float(g[d * G + n])) : 0;
+        }
+    }
+#endif
+
     // The filter's slack for one row: |FMA sum - exact sum| over any heads is at most
     // sum_h |w_h| sum_d |q_hd k_d| (2 gamma_dI + 2 gamma_HI (1 + gamma_dI)) (Higham's dot-product bound, both
     // ways of rounding), plus underflow; sum_d |q_hd k_d| <= |q_h| |k| (Cauchy-Schwarz). Twice that, with a
     // rounded-up u, covers the rounding of the slack itself and of thr - slack: slack = slack_q |k| + slack_abs.
+    //
+    // The AMX filter (amx_block) rounds q and the keys to bf16 (each within 2^-9 relative, so a product within
+    // 2^-8 + 2^-18), multiplies exactly, sums the dIp (dI padded to 32) products in fp32 in an order of the
+    // hardware's, treats bf16 denormals as 0 and flushes denormal results; the head sum is then taken with FMA.
+    // Against the real-number score that is within (2^-8 + 2^-18 + (dIp + HI) u) sum_h |w_h| |q_h| |k| (1 + 2^-8)
+    // plus 2^-126 (sqrt(dI) (|k| + |q_h|) + 2 dIp) per unit of |w_h| for the flushes; the exact score is within
+    // (dI + HI) u of the same real sum. Twice the sum of both, rounded up, is amx_q |k| + amx_abs.
     void filter_slack(Row& r) const {
         const double u = std::numeric_limits<T>::epsilon();   // 2x the unit roundoff
-        double a = 0, wsum = 0;
+        double a = 0, wsum = 0, wq = 0, qmax = 0;
         for (int64_t h = 0; h < HI; ++h) {
             double n2 = 0;
             for (int64_t d = 0; d < dI; ++d) n2 += double(r.q[h * dI + d]) * double(r.q[h * dI + d]);
             a += std::abs(double(r.w[h])) * std::sqrt(n2);
             wsum += std::abs(double(r.w[h]));
+            wq += std::abs(double(r.w[h])) * (std::sqrt(double(dI)) * std::sqrt(n2) + 2 * (dI + 31) / 32 * 32);
+            qmax = std::max(qmax, std::sqrt(n2));
         }
         const double dm = std::numeric_limits<T>::denorm_min();
         r.slack_q = T(2 * (dI + HI + 2) * u * a * (1 + 1e-6));
         r.slack_abs = T(2 * (wsum + 1) * (2 * dI + 2 * HI + 2) * dm) + std::numeric_limits<T>::denorm_min();
+        const double bf = std::ldexp(1.0, -8) + std::ldexp(1.0, -18), flush = std::ldexp(1.0, -126);
+        const double dIp = double((dI + 31) / 32 * 32);
+        r.amx_q = T(2 * ((bf + (dIp + dI + 2 * HI + 4) * u) * a * (1 + bf) + flush * std::sqrt(double(dI)) * wsum) *
+                    (1 + 1e-6));
+        r.amx_abs = T(2 * flush * wq * (1 + 1e-6)) + r.slack_abs;
+        r.a = a, r.qmax = qmax;
     }
 
     // The row's selected columns, ascending, and their scores; -1 / -inf padded to `width`.
@@ -420,6 +553,19 @@ struct Indexer {
         for (int64_t h = 0; h < HI; ++h) all_heads[h] = h;
         std::vector<Row> tile(TILE_ROWS);
         const int64_t n_rows = rows.size();
+#if AMX
+        // the AMX filter: 16 / HI rows per group (or one row of HI / 16 tile rows), q and keys in bf16
+        const bool amx = sizeof(T) == 4 && (16 % HI == 0 || HI % 16 == 0) && amx_ready();
+        const int64_t R = HI < 16 ? 16 / HI : 1, dIp = (dI + 31) / 32 * 32;
+        std::vector<uint16_t> qb(amx ? (TILE_ROWS + R) * HI * dIp : 0), kb16(amx ? kb * dIp : 0);
+        std::vector<float> c_buf(amx ? kb / 16 * R * HI * 16 + 16 : 0);
+        float* cbuf = (float*)(((uintptr_t)c_buf.data() + 63) & ~uintptr_t(63));
+        bool on[16];
+        if (amx) {
+            const TileConfig cfg;
+            _tile_loadconfig(&cfg);
+        }
+#endif
         for (int64_t t0 = 0, nt; t0 < n_rows; t0 += nt) {
             const int64_t seg = row_seg[rows[t0]];
             for (nt = 1; nt < TILE_ROWS && t0 + nt < n_rows && row_seg[rows[t0 + nt]] == seg; ++nt) {}
@@ -434,6 +580,11 @@ struct Indexer {
                 for (int64_t h = 0; h < HI; ++h)
                     if (r.w[h] > T(0)) heads[i * HI + r.n_pos++] = h;
                 n_max = std::max(n_max, r.n);
+#if AMX
+                if (amx)
+                    for (int64_t h = 0; h < HI; ++h)
+                        for (int64_t d = 0; d < dI; ++d) qb[(i * HI + h) * dIp + d] = bf16(float(r.q[h * dI + d]));
+#endif
             }
             for (int64_t b0 = 0; b0 < n_max; b0 += kb) {
                 bool needed = false;
@@ -447,13 +598,29 @@ struct Indexer {
                     key_ptrs(keys, pages, page_tokens, b0, nb, kp.data());
                 transpose(kp.data(), nb, kt);
                 const T kmax = max_norm(kt, nb);
+                bool amx_rows[TILE_ROWS] = {};
+                for (int64_t i = 0; i < nt; ++i)
+                    if (tile[i].n_pos == 0 && tile[i].thr >= T(0))   // every score is <= 0 <= thr: nothing can enter
+                        tile[i].done = true;
+#if AMX
+                if (amx) {
+                    bool any = false;
+                    for (int64_t i = 0; i < nt; ++i) any |= amx_rows[i] = tile[i].n > b0 && amx_fits(tile[i], kmax);
+                    if (any) {
+                        to_pairs(kt, nb, dIp, kb16.data());
+                        for (int64_t g0 = 0; g0 < nt; g0 += R) {
+                            bool some = false;
+                            for (int64_t i = 0; i < R; ++i) some |= on[i] = g0 + i < nt && amx_rows[g0 + i];
+                            if (some)
+                                amx_block(&tile[g0], on, R, qb.data() + g0 * HI * dIp, dIp, kb16.data(), kt, b0, kb,
+                                          kmax, cbuf);
+                        }
+                    }
+                }
+#endif
                 for (int64_t i = 0; i < nt; ++i) {
                     Row& r = tile[i];
-                    if (r.done || r.n <= b0) continue;
-                    if (r.n_pos == 0 && r.thr >= T(0)) {   // every score is <= 0 <= thr: nothing can enter
-                        r.done = true;
-                        continue;
-                    }
+                    if (r.done || r.n <= b0 || amx_rows[i]) continue;
                     scan(r, &heads[i * HI], all_heads.data(), kt, b0, std::min(kb, r.n - b0), kmax);
                 }
             }
@@ -462,6 +629,9 @@ struct Indexer {
                 finish(tile[i], cols + t * width, scores ? scores + t * width : nullptr, width);
             }
         }
+#if AMX
+        if (amx) _tile_release();
+#endif
     }
 };
 
@@ -517,6 +687,14 @@ int indexer_topk_f32(const float* q, const float* w, const float* keys, const in
 }
 
 int indexer_vec_bytes() { return VEC_BYTES; }
+
+int indexer_amx() {
+#if AMX
+    return amx_ready();
+#else
+    return 0;
+#endif
+}
 
 int indexer_topk_f64(const double* q, const double* w, const double* keys, const int64_t* table,
                      int64_t table_stride, int64_t page_tokens, const int64_t* row_seg, const int64_t* n_visible,

@@ -31,17 +31,19 @@ FUNCTIONS = {torch.float32: "indexer_topk_f32", torch.float64: "indexer_topk_f64
 @dataclass(frozen=True)
 class Build:
     """A build of the kernel. vec_bytes: SIMD width (32 or 64; None = the widest the CPU has, 64 with AVX-512);
-    filter: the FMA filter before exact scoring. Every build selects the same keys with the same scores; the
-    default is the fastest, the others are for benchmarks/indexer/select.py (32 bytes unfiltered = the kernel
-    before both)."""
+    filter: the FMA filter before exact scoring; amx: where the CPU has AMX (and 64-byte lanes), the bf16 tile
+    filter in its place for rows whose heaps are full. Every build selects the same keys with the same scores;
+    the default is the fastest, the others are for benchmarks/indexer/select.py (32 bytes unfiltered = the kernel
+    before all three)."""
     vec_bytes: int | None = None
     filter: bool = True
+    amx: bool = True
 
     def defines(self) -> list[str]:
         if self.vec_bytes not in (None, 32, 64):
             raise ValueError(f"vec_bytes must be None, 32 or 64, not {self.vec_bytes}")
         return ([] if self.vec_bytes is None else [f"-DVEC_BYTES={self.vec_bytes}"]) + \
-            ([] if self.filter else ["-DFILTER=0"])
+            ([] if self.filter else ["-DFILTER=0"]) + ([] if self.amx else ["-DAMX=0"])
 
 
 @cache
@@ -59,6 +61,12 @@ def library(build: Build = Build()) -> ctypes.CDLL | None:
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 5 + \
             [ctypes.c_void_p] * 2 + [ctypes.c_int, ctypes.c_void_p]
     return lib
+
+
+def has_amx(build: Build = Build()) -> bool:
+    """Whether `build` filters with AMX tiles here (the CPU has them and the process may use them)."""
+    lib = library(build)
+    return lib is not None and bool(lib.indexer_amx())
 
 
 def vec_bytes() -> int:
