@@ -341,7 +341,7 @@ struct Indexer {
     }
 
 #if AMX
-    // Rows i0 .. i0 + R - 1 of the tile (R = 16 / HI, or 1 with HI / 16 tile rows each: M = R * HI tile rows,
+    // Rows i0 .. i0 + R - 1 of the tile (R = 32 / HI, or 1 with HI / 16 tile rows each: M = R * HI tile rows,
     // their bf16 queries qb [M, dIp] and keys kb16 in pair rows: per 16 keys [dIp / 2, 16, 2]) against the
     // block's keys, the rows marked in `on` only (their heaps full). The tile products give every head's dot
     // for every 16 keys; each row then sums its heads with FMA and scores exactly the vectors that come within
@@ -353,22 +353,45 @@ struct Indexer {
         for (int64_t i = 0; i < R; ++i)
             if (on[i]) n_chunks = std::max(n_chunks, (std::min(kb, rows[i].n - b0) + 15) / 16);
         // every tile product of the block first, then the sums: a tile store is read back long after it is issued
-        const bool one_a = M == 16 && kc == 1;   // the group's queries fit one A tile: loaded once
-        if (one_a) _tile_loadd(2, qb, dIp * 2);
-        for (int64_t c = 0; c < n_chunks; c += 2)
-            for (int64_t mt = 0; mt < M / 16; ++mt) {
+        if (kc == 1 && M <= 32 && M % 16 == 0) {   // one or two A tiles, loaded once; each B tile serves both
+            _tile_loadd(2, qb, dIp * 2);
+            if (M == 32) _tile_loadd(5, qb + 16 * dIp, dIp * 2);
+            for (int64_t c = 0; c < n_chunks; c += 2) {
+                _tile_loadd(3, kb16 + c * chunk, 64);
+                _tile_loadd(4, kb16 + (c + 1) * chunk, 64);
                 _tile_zero(0);
                 _tile_zero(1);
-                for (int64_t j = 0; j < kc; ++j) {
-                    if (!one_a) _tile_loadd(2, qb + mt * 16 * dIp + j * 32, dIp * 2);
-                    _tile_loadd(3, kb16 + c * chunk + j * 512, 64);
-                    _tile_loadd(4, kb16 + (c + 1) * chunk + j * 512, 64);
-                    _tile_dpbf16ps(0, 2, 3);
-                    _tile_dpbf16ps(1, 2, 4);
+                _tile_dpbf16ps(0, 2, 3);
+                _tile_dpbf16ps(1, 2, 4);
+                if (M == 32) {
+                    _tile_zero(6);
+                    _tile_zero(7);
+                    _tile_dpbf16ps(6, 5, 3);
+                    _tile_dpbf16ps(7, 5, 4);
                 }
-                _tile_stored(0, cbuf + (c * M + mt * 16) * 16, 64);
-                _tile_stored(1, cbuf + ((c + 1) * M + mt * 16) * 16, 64);
+                _tile_stored(0, cbuf + c * M * 16, 64);
+                _tile_stored(1, cbuf + (c + 1) * M * 16, 64);
+                if (M == 32) {
+                    _tile_stored(6, cbuf + (c * M + 16) * 16, 64);
+                    _tile_stored(7, cbuf + ((c + 1) * M + 16) * 16, 64);
+                }
             }
+        } else {
+            for (int64_t c = 0; c < n_chunks; c += 2)
+                for (int64_t mt = 0; mt < M / 16; ++mt) {
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    for (int64_t j = 0; j < kc; ++j) {
+                        _tile_loadd(2, qb + mt * 16 * dIp + j * 32, dIp * 2);
+                        _tile_loadd(3, kb16 + c * chunk + j * 512, 64);
+                        _tile_loadd(4, kb16 + (c + 1) * chunk + j * 512, 64);
+                        _tile_dpbf16ps(0, 2, 3);
+                        _tile_dpbf16ps(1, 2, 4);
+                    }
+                    _tile_stored(0, cbuf + (c * M + mt * 16) * 16, 64);
+                    _tile_stored(1, cbuf + ((c + 1) * M + mt * 16) * 16, 64);
+                }
+        }
         for (int64_t i = 0; i < R; ++i) {
             if (!on[i]) continue;
             Row& r = rows[i];
@@ -554,13 +577,13 @@ struct Indexer {
         std::vector<Row> tile(TILE_ROWS);
         const int64_t n_rows = rows.size();
 #if AMX
-        // the AMX filter: 16 / HI rows per group (or one row of HI / 16 tile rows), q and keys in bf16
+        // the AMX filter: 32 / HI rows per group (two A tiles), or one row of HI / 16 tiles; q and keys in bf16
         const bool amx = sizeof(T) == 4 && (16 % HI == 0 || HI % 16 == 0) && amx_ready();
-        const int64_t R = HI < 16 ? 16 / HI : 1, dIp = (dI + 31) / 32 * 32;
+        const int64_t R = HI < 16 ? 32 / HI : 1, dIp = (dI + 31) / 32 * 32;
         std::vector<uint16_t> qb(amx ? (TILE_ROWS + R) * HI * dIp : 0), kb16(amx ? kb * dIp : 0);
         std::vector<float> c_buf(amx ? kb / 16 * R * HI * 16 + 16 : 0);
         float* cbuf = (float*)(((uintptr_t)c_buf.data() + 63) & ~uintptr_t(63));
-        bool on[16];
+        bool on[32];
         if (amx) {
             const TileConfig cfg;
             _tile_loadconfig(&cfg);
