@@ -60,7 +60,9 @@
 
 namespace {
 
-constexpr int64_t TILE_ROWS = 256;   // query rows that scan one cached block of keys in turn
+// Query rows that scan one cached block of keys in turn: more rows share each gathered, transposed block, while
+// their heaps ([rows, k] scores and positions) stay within ~1 MB.
+int64_t tile_rows(int64_t k) { return std::clamp<int64_t>((int64_t(1) << 16) / std::max<int64_t>(k, 1), 256, 1024); }
 
 // The value of every fp8 e4m3fn byte (bias 7, no infinities, S.1111.111 is NaN), as torch decodes it.
 struct E4M3 {
@@ -99,6 +101,13 @@ uint16_t bf16(float x) {
     std::memcpy(&b, &x, sizeof b);
     if ((b & 0x7FFFFFFFu) > 0x7F800000u) return uint16_t((b >> 16) | 0x40);
     return uint16_t((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+}
+
+double widen(uint16_t h) {   // bf16 -> its value
+    const uint32_t b = uint32_t(h) << 16;
+    float x;
+    std::memcpy(&x, &b, sizeof x);
+    return x;
 }
 #endif
 
@@ -158,7 +167,7 @@ struct Indexer {
         int64_t n_pos;          // heads with w > 0
         int64_t groups, bound_tried, bound_passed;   // filtered groups; those the positive-head bound was tried
                                                      // on, and did not skip
-        T amx_q = 0, amx_abs = 0;   // the AMX filter's slack: amx_q * |k| + amx_abs (filter_slack)
+        T amx_q = 0, amx_e = 0, amx_abs = 0;   // the AMX filter's slack: amx_q |k| + amx_e |k - bf16(k)| + amx_abs
         double a = 0, qmax = 0;     // sum_h |w_h| |q_h| and max_h |q_h|: whether the tile sums stay finite
 
         // Whether to bound by the positive heads first: it costs n_pos heads per group and saves HI on the groups
@@ -343,93 +352,121 @@ struct Indexer {
 #if AMX
     // Rows i0 .. i0 + R - 1 of the tile (R = 32 / HI, or 1 with HI / 16 tile rows each: M = R * HI tile rows,
     // their bf16 queries qb [M, dIp] and keys kb16 in pair rows: per 16 keys [dIp / 2, 16, 2]) against the
-    // block's keys, the rows marked in `on` only (their heaps full). The tile products give every head's dot
-    // for every 16 keys; each row then sums its heads with FMA and scores exactly the vectors that come within
-    // its slack of its threshold, in key order. cbuf: [kb / 16, M, 16] fp32.
+    // block's keys, the rows marked in `on` only (their heaps full). Each step, the tile products give every
+    // head's dot for 32 keys (tile_step); each row then sums its heads with FMA and scores exactly the vectors
+    // that come within its slack of its threshold (tile_sums), in key order. A step's sums are taken after the
+    // next step's products are issued (cbuf: two slots of [2, M, 16] fp32), so a tile store is read back a step
+    // later, from L1.
     void amx_block(Row* rows, const bool* on, int64_t R, const uint16_t* qb, int64_t dIp, const uint16_t* kb16,
-                   const T* kt, int64_t b0, int64_t kb, T kmax, float* cbuf) const {
-        const int64_t M = R * HI, kc = dIp / 32, chunk = dIp * 16;   // chunk: bf16 values per 16 keys
+                   const T* kt, int64_t b0, int64_t kb, T kmax, T ek, float* cbuf) const {
+        const int64_t M = R * HI;
         int64_t n_chunks = 0;
         for (int64_t i = 0; i < R; ++i)
             if (on[i]) n_chunks = std::max(n_chunks, (std::min(kb, rows[i].n - b0) + 15) / 16);
-        // every tile product of the block first, then the sums: a tile store is read back long after it is issued
-        if (kc == 1 && M <= 32 && M % 16 == 0) {   // one or two A tiles, loaded once; each B tile serves both
+        const bool resident_a = dIp == 32 && (M == 16 || M == 32);   // A tiles loaded once, in tiles 2 and 5
+        if (resident_a) {
             _tile_loadd(2, qb, dIp * 2);
             if (M == 32) _tile_loadd(5, qb + 16 * dIp, dIp * 2);
-            for (int64_t c = 0; c < n_chunks; c += 2) {
-                _tile_loadd(3, kb16 + c * chunk, 64);
-                _tile_loadd(4, kb16 + (c + 1) * chunk, 64);
-                _tile_zero(0);
-                _tile_zero(1);
+        }
+        const int64_t steps = (n_chunks + 1) / 2;
+        for (int64_t st = 0; st <= steps; ++st) {
+            if (st < steps) tile_step(qb, dIp, M, resident_a, kb16 + 2 * st * dIp * 16, cbuf + st % 2 * 2 * M * 16);
+            if (st > 0) tile_sums(rows, on, R, kt, b0, kb, kmax, ek, 2 * (st - 1), cbuf + (st - 1) % 2 * 2 * M * 16);
+        }
+    }
+
+    // The dots of all M tile rows with keys 2 x 16 (b: their pair rows) -> c [2, M, 16]. Tiles: 0, 1 and 6, 7
+    // results, 2 and 5 queries, 3 and 4 keys.
+    void tile_step(const uint16_t* qb, int64_t dIp, int64_t M, bool resident_a, const uint16_t* b, float* c) const {
+        const int64_t chunk = dIp * 16;
+        if (resident_a) {   // one B tile load serves both A tiles
+            _tile_loadd(3, b, 64);
+            _tile_loadd(4, b + chunk, 64);
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_dpbf16ps(0, 2, 3);
+            _tile_dpbf16ps(1, 2, 4);
+            if (M == 32) {
+                _tile_zero(6);
+                _tile_zero(7);
+                _tile_dpbf16ps(6, 5, 3);
+                _tile_dpbf16ps(7, 5, 4);
+            }
+            _tile_stored(0, c, 64);
+            _tile_stored(1, c + M * 16, 64);
+            if (M == 32) {
+                _tile_stored(6, c + 16 * 16, 64);
+                _tile_stored(7, c + (M + 16) * 16, 64);
+            }
+            return;
+        }
+        for (int64_t mt = 0; mt < M / 16; ++mt) {
+            _tile_zero(0);
+            _tile_zero(1);
+            for (int64_t j = 0; j < dIp / 32; ++j) {
+                _tile_loadd(2, qb + mt * 16 * dIp + j * 32, dIp * 2);
+                _tile_loadd(3, b + j * 512, 64);
+                _tile_loadd(4, b + chunk + j * 512, 64);
                 _tile_dpbf16ps(0, 2, 3);
                 _tile_dpbf16ps(1, 2, 4);
-                if (M == 32) {
-                    _tile_zero(6);
-                    _tile_zero(7);
-                    _tile_dpbf16ps(6, 5, 3);
-                    _tile_dpbf16ps(7, 5, 4);
-                }
-                _tile_stored(0, cbuf + c * M * 16, 64);
-                _tile_stored(1, cbuf + (c + 1) * M * 16, 64);
-                if (M == 32) {
-                    _tile_stored(6, cbuf + (c * M + 16) * 16, 64);
-                    _tile_stored(7, cbuf + ((c + 1) * M + 16) * 16, 64);
-                }
             }
-        } else {
-            for (int64_t c = 0; c < n_chunks; c += 2)
-                for (int64_t mt = 0; mt < M / 16; ++mt) {
-                    _tile_zero(0);
-                    _tile_zero(1);
-                    for (int64_t j = 0; j < kc; ++j) {
-                        _tile_loadd(2, qb + mt * 16 * dIp + j * 32, dIp * 2);
-                        _tile_loadd(3, kb16 + c * chunk + j * 512, 64);
-                        _tile_loadd(4, kb16 + (c + 1) * chunk + j * 512, 64);
-                        _tile_dpbf16ps(0, 2, 3);
-                        _tile_dpbf16ps(1, 2, 4);
-                    }
-                    _tile_stored(0, cbuf + (c * M + mt * 16) * 16, 64);
-                    _tile_stored(1, cbuf + ((c + 1) * M + mt * 16) * 16, 64);
-                }
+            _tile_stored(0, c + mt * 16 * 16, 64);
+            _tile_stored(1, c + (M + mt * 16) * 16, 64);
         }
+    }
+
+    // For chunks c0, c0 + 1 of the block (their dots in c [2, M, 16]): each marked row's approximate scores,
+    // and the exact ones of the vectors within its slack of its threshold, offered in key order.
+    void tile_sums(Row* rows, const bool* on, int64_t R, const T* kt, int64_t b0, int64_t kb, T kmax, T ek,
+                   int64_t c0, const float* c) const {
+        const int64_t M = R * HI;
         for (int64_t i = 0; i < R; ++i) {
             if (!on[i]) continue;
             Row& r = rows[i];
             const int64_t n_blk = std::min(kb, r.n - b0);
-            const T slack = r.amx_q * kmax + r.amx_abs;
-            for (int64_t cc = 0; cc * 16 < n_blk; ++cc) {
-                const float* cr = cbuf + (cc * M + i * HI) * 16;
-                __m512 sum = _mm512_mul_ps(_mm512_max_ps(_mm512_load_ps(cr), _mm512_setzero_ps()),
-                                           _mm512_set1_ps(r.w[0]));
+            const T slack = r.amx_q * kmax + r.amx_e * ek + r.amx_abs;
+            const float* cr = c + i * HI * 16;
+            __m512 sum[2];
+            for (int e = 0; e < 2; ++e, cr += M * 16) {   // both chunks first: two independent chains
+                sum[e] = _mm512_mul_ps(_mm512_max_ps(_mm512_load_ps(cr), _mm512_setzero_ps()), _mm512_set1_ps(r.w[0]));
                 for (int64_t h = 1; h < HI; ++h)
-                    sum = _mm512_fmadd_ps(_mm512_max_ps(_mm512_load_ps(cr + h * 16), _mm512_setzero_ps()),
-                                          _mm512_set1_ps(r.w[h]), sum);
-                // NaN sums (not ordered) are scored exactly too
-                if (_mm512_cmp_ps_mask(sum, _mm512_set1_ps(r.thr - slack), _CMP_NLE_UQ))
-                    offer(r, exact_one(r.q, r.w, kt + cc / U * G * dI + cc % U * L), cc * 16, n_blk, b0);
+                    sum[e] = _mm512_fmadd_ps(_mm512_max_ps(_mm512_load_ps(cr + h * 16), _mm512_setzero_ps()),
+                                             _mm512_set1_ps(r.w[h]), sum[e]);
             }
+            for (int64_t cc = c0; cc < c0 + 2 && cc * 16 < n_blk; ++cc)   // NaN sums (unordered) go on too
+                if (_mm512_cmp_ps_mask(sum[cc - c0], _mm512_set1_ps(r.thr - slack), _CMP_NLE_UQ))
+                    offer(r, exact_one(r.q, r.w, kt + cc / U * G * dI + cc % U * L), cc * 16, n_blk, b0);
         }
     }
 
     // Whether a full row's block may go through amx_block: its slack is finite and its tile sums cannot
     // overflow (|q_h| |k| and sum_h |w_h| |q_h| |k| far below the fp32 range).
-    bool amx_fits(const Row& r, T kmax) const {
+    bool amx_fits(const Row& r, T kmax, T ek) const {
         const double big = std::ldexp(1.0, 60);
         return r.count == k && !r.done && r.qmax <= big && double(kmax) <= big &&
-               r.a * double(kmax) <= big * big && r.amx_q * kmax + r.amx_abs < std::numeric_limits<T>::infinity();
+               r.a * double(kmax) <= big * big &&
+               r.amx_q * kmax + r.amx_e * ek + r.amx_abs < std::numeric_limits<T>::infinity();
     }
 
     // The block's keys (kt: groups of G, each [dI, G], zero-padded) -> kb16: per 16 keys, dIp / 2 pair rows of
-    // (key n: dims 2p, 2p + 1) in bf16, zero past dI: the B tiles of amx_block.
-    void to_pairs(const T* kt, int64_t nb, int64_t dIp, uint16_t* kb16) const {
+    // (key n: dims 2p, 2p + 1) in bf16, zero past dI: the B tiles of amx_block. Returns the largest rounding
+    // residual |k~ - k| of a key of the block (rounded up).
+    T to_pairs(const T* kt, int64_t nb, int64_t dIp, uint16_t* kb16) const {
         const int64_t n_chunks = (nb + G - 1) / G * (G / 16);
+        double e2[16], worst = 0;
         for (int64_t c = 0; c < n_chunks; ++c) {
             const T* g = kt + c * 16 / G * G * dI + c * 16 % G;
             uint16_t* out = kb16 + c * dIp * 16;
+            std::fill(e2, e2 + 16, 0.0);
             for (int64_t d = 0; d < dIp; ++d)
-                for (int64_t n = 0; n < 16; ++n)
-                    out[d / 2 * 32 + n * 2 + d % 2] = d < dI ? bf16(float(g[d * G + n])) : 0;
+                for (int64_t n = 0; n < 16; ++n) {
+                    const uint16_t b = d < dI ? bf16(float(g[d * G + n])) : 0;
+                    out[d / 2 * 32 + n * 2 + d % 2] = b;
+                    if (d < dI) e2[n] += (widen(b) - double(g[d * G + n])) * (widen(b) - double(g[d * G + n]));
+                }
+            for (int n = 0; n < 16; ++n) worst = std::max(worst, e2[n]);
         }
+        return T(std::sqrt(worst) * (1 + 1e-6));
     }
 #endif
 
@@ -438,12 +475,13 @@ struct Indexer {
     // ways of rounding), plus underflow; sum_d |q_hd k_d| <= |q_h| |k| (Cauchy-Schwarz). Twice that, with a
     // rounded-up u, covers the rounding of the slack itself and of thr - slack: slack = slack_q |k| + slack_abs.
     //
-    // The AMX filter (amx_block) rounds q and the keys to bf16 (each within 2^-9 relative, so a product within
-    // 2^-8 + 2^-18), multiplies exactly, sums the dIp (dI padded to 32) products in fp32 in an order of the
-    // hardware's, treats bf16 denormals as 0 and flushes denormal results; the head sum is then taken with FMA.
-    // Against the real-number score that is within (2^-8 + 2^-18 + (dIp + HI) u) sum_h |w_h| |q_h| |k| (1 + 2^-8)
-    // plus 2^-126 (sqrt(dI) (|k| + |q_h|) + 2 dIp) per unit of |w_h| for the flushes; the exact score is within
-    // (dI + HI) u of the same real sum. Twice the sum of both, rounded up, is amx_q |k| + amx_abs.
+    // The AMX filter (amx_block) rounds q and the keys to bf16 (q~, k~), multiplies exactly, sums the dIp (dI
+    // padded to 32) products in fp32 in an order of the hardware's, treats bf16 denormals as 0 and flushes
+    // denormal results; the head sum is then taken with FMA. Per head, |q~ . k~ - q . k| <= |q~| |k~ - k| +
+    // |q~ - q| |k| (the rounding residuals, measured: a row's for q, the block's largest for its keys), the fp32
+    // sum adds dIp u |q~| |k~| <= dIp u |q| |k| (1 + 2^-8), the flushes 2^-126 (sqrt(dI) (|k| + |q_h|) + 2 dIp),
+    // and the FMA head sum HI u; the exact score is within (dI + HI) u sum_h |w_h| |q_h| |k| of the real one.
+    // Twice the sum, rounded up, is amx_q |k| + amx_e |k~ - k| + amx_abs.
     void filter_slack(Row& r) const {
         const double u = std::numeric_limits<T>::epsilon();   // 2x the unit roundoff
         double a = 0, wsum = 0, wq = 0, qmax = 0;
@@ -458,12 +496,27 @@ struct Indexer {
         const double dm = std::numeric_limits<T>::denorm_min();
         r.slack_q = T(2 * (dI + HI + 2) * u * a * (1 + 1e-6));
         r.slack_abs = T(2 * (wsum + 1) * (2 * dI + 2 * HI + 2) * dm) + std::numeric_limits<T>::denorm_min();
-        const double bf = std::ldexp(1.0, -8) + std::ldexp(1.0, -18), flush = std::ldexp(1.0, -126);
-        const double dIp = double((dI + 31) / 32 * 32);
-        r.amx_q = T(2 * ((bf + (dIp + dI + 2 * HI + 4) * u) * a * (1 + bf) + flush * std::sqrt(double(dI)) * wsum) *
-                    (1 + 1e-6));
-        r.amx_abs = T(2 * flush * wq * (1 + 1e-6)) + r.slack_abs;
         r.a = a, r.qmax = qmax;
+#if AMX
+        if constexpr (sizeof(T) == 4) {
+            double wqt = 0, weq = 0;   // sum_h |w_h| |q~_h|, sum_h |w_h| |q~_h - q_h|
+            for (int64_t h = 0; h < HI; ++h) {
+                double t2 = 0, e2 = 0;
+                for (int64_t d = 0; d < dI; ++d) {
+                    const double x = r.q[h * dI + d], xb = widen(bf16(float(x)));
+                    t2 += xb * xb, e2 += (xb - x) * (xb - x);
+                }
+                wqt += std::abs(double(r.w[h])) * std::sqrt(t2);
+                weq += std::abs(double(r.w[h])) * std::sqrt(e2);
+            }
+            const double flush = std::ldexp(1.0, -126), dIp = double((dI + 31) / 32 * 32);
+            const double grow = (1 + std::ldexp(1.0, -8)) * (1 + 1e-6);
+            r.amx_q = T(2 * (weq + (dIp + dI + 2 * HI + 4) * u * a * grow + flush * std::sqrt(double(dI)) * wsum) *
+                        (1 + 1e-6));
+            r.amx_e = T(2 * wqt * (1 + 1e-6));
+            r.amx_abs = T(2 * flush * wq * (1 + 1e-6)) + r.slack_abs;
+        }
+#endif
     }
 
     // The row's selected columns, ascending, and their scores; -1 / -inf padded to `width`.
@@ -571,17 +624,19 @@ struct Indexer {
         T* kt = (T*)(((uintptr_t)kt_buf.data() + 63) & ~uintptr_t(63));
         std::vector<const T*> kp(kb);   // the block's keys in the arena (or, for records, in dec)
         std::vector<T> dec(records ? kb * dI : 0);
+        const int64_t TILE_ROWS = tile_rows(k);
         std::vector<T> score(TILE_ROWS * k);
         std::vector<int64_t> pos(TILE_ROWS * k), heads(TILE_ROWS * HI), all_heads(HI);
         for (int64_t h = 0; h < HI; ++h) all_heads[h] = h;
         std::vector<Row> tile(TILE_ROWS);
+        std::vector<char> amx_rows(TILE_ROWS);   // rows whose block goes through amx_block
         const int64_t n_rows = rows.size();
 #if AMX
         // the AMX filter: 32 / HI rows per group (two A tiles), or one row of HI / 16 tiles; q and keys in bf16
         const bool amx = sizeof(T) == 4 && (16 % HI == 0 || HI % 16 == 0) && amx_ready();
         const int64_t R = HI < 16 ? 32 / HI : 1, dIp = (dI + 31) / 32 * 32;
         std::vector<uint16_t> qb(amx ? (TILE_ROWS + R) * HI * dIp : 0), kb16(amx ? kb * dIp : 0);
-        std::vector<float> c_buf(amx ? kb / 16 * R * HI * 16 + 16 : 0);
+        std::vector<float> c_buf(amx ? 4 * R * HI * 16 + 16 : 0);
         float* cbuf = (float*)(((uintptr_t)c_buf.data() + 63) & ~uintptr_t(63));
         bool on[32];
         if (amx) {
@@ -621,22 +676,24 @@ struct Indexer {
                     key_ptrs(keys, pages, page_tokens, b0, nb, kp.data());
                 transpose(kp.data(), nb, kt);
                 const T kmax = max_norm(kt, nb);
-                bool amx_rows[TILE_ROWS] = {};
+                std::fill(amx_rows.begin(), amx_rows.end(), false);
                 for (int64_t i = 0; i < nt; ++i)
                     if (tile[i].n_pos == 0 && tile[i].thr >= T(0))   // every score is <= 0 <= thr: nothing can enter
                         tile[i].done = true;
 #if AMX
                 if (amx) {
                     bool any = false;
-                    for (int64_t i = 0; i < nt; ++i) any |= amx_rows[i] = tile[i].n > b0 && amx_fits(tile[i], kmax);
+                    for (int64_t i = 0; i < nt; ++i) any |= tile[i].count == k && !tile[i].done && tile[i].n > b0;
+                    const T ek = any ? to_pairs(kt, nb, dIp, kb16.data()) : T(0);
+                    any = false;
+                    for (int64_t i = 0; i < nt; ++i) any |= amx_rows[i] = tile[i].n > b0 && amx_fits(tile[i], kmax, ek);
                     if (any) {
-                        to_pairs(kt, nb, dIp, kb16.data());
                         for (int64_t g0 = 0; g0 < nt; g0 += R) {
                             bool some = false;
                             for (int64_t i = 0; i < R; ++i) some |= on[i] = g0 + i < nt && amx_rows[g0 + i];
                             if (some)
                                 amx_block(&tile[g0], on, R, qb.data() + g0 * HI * dIp, dIp, kb16.data(), kt, b0, kb,
-                                          kmax, cbuf);
+                                          kmax, ek, cbuf);
                         }
                     }
                 }
