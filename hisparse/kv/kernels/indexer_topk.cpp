@@ -79,6 +79,11 @@ struct E4M3 {
 const E4M3 E4M3_VALUES;
 
 #if AMX
+// The tile filter pays where a key's FMA dots are long: with HI x dI = 128 (needle-ml4's indexer) it scans
+// 1.4-2.7x as fast as the FMA filter, with 32 (the random tiny model: dI = 16 fills half a tile row) 0.84-0.89x
+// as fast (benchmarks/indexer/select.py).
+constexpr int64_t AMX_MIN_WORK = 128;
+
 // Linux hands out AMX tile state on request (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA), once per process.
 bool amx_ready() {
     static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
@@ -633,7 +638,7 @@ struct Indexer {
         const int64_t n_rows = rows.size();
 #if AMX
         // the AMX filter: 32 / HI rows per group (two A tiles), or one row of HI / 16 tiles; q and keys in bf16
-        const bool amx = sizeof(T) == 4 && (16 % HI == 0 || HI % 16 == 0) && amx_ready();
+        const bool amx = sizeof(T) == 4 && (16 % HI == 0 || HI % 16 == 0) && HI * dI >= AMX_MIN_WORK && amx_ready();
         const int64_t R = HI < 16 ? 32 / HI : 1, dIp = (dI + 31) / 32 * 32;
         std::vector<uint16_t> qb(amx ? (TILE_ROWS + R) * HI * dIp : 0), kb16(amx ? kb * dIp : 0);
         std::vector<float> c_buf(amx ? 4 * R * HI * 16 + 16 : 0);
