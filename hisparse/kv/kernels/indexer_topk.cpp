@@ -14,10 +14,11 @@
 // explicit FMA intrinsics (an approximation within a rigorous bound of the exact score, see scan), and only the
 // vectors that come within that bound of the threshold are scored exactly: selections and scores are unchanged.
 //
-// Where the CPU has AMX (bf16 tiles), the filter of full rows is a tile product instead: a group of 16 / HI rows
-// (all their heads: 16 tile rows) against 16 keys at a time, q and keys rounded to bf16, sums in fp32, so each
-// (row, key) costs a few instructions instead of HI x dI FMAs. Its error bound (amx_slack) is wider than the FMA
-// filter's, so a few more vectors are scored exactly; selections and scores are the exact ones either way.
+// Where the CPU has AMX (bf16 tiles) and HI x dI is large enough to pay, the filter of full rows is a tile product
+// instead (amx_block): 32 / HI rows (all their heads: two tiles of 16 rows) against 32 keys per step, q and keys
+// rounded to bf16, sums in fp32, so each (row, key) costs a few instructions instead of HI x dI FMAs. Its error
+// bound (filter_slack) is wider than the FMA filter's, so more vectors are scored exactly; selections and scores
+// are the exact ones either way.
 //
 // Keys are paged: each query row belongs to a segment (a request), whose logical key j lives in a shared arena
 // at row table[seg][j / page_tokens] * page_tokens + j % page_tokens. Only the key addressing depends on it: a
@@ -495,7 +496,7 @@ struct Indexer {
             for (int64_t d = 0; d < dI; ++d) n2 += double(r.q[h * dI + d]) * double(r.q[h * dI + d]);
             a += std::abs(double(r.w[h])) * std::sqrt(n2);
             wsum += std::abs(double(r.w[h]));
-            wq += std::abs(double(r.w[h])) * (std::sqrt(double(dI)) * std::sqrt(n2) + 2 * (dI + 31) / 32 * 32);
+            wq += std::abs(double(r.w[h])) * (std::sqrt(double(dI)) * std::sqrt(n2) + 2 * ((dI + 31) / 32 * 32));
             qmax = std::max(qmax, std::sqrt(n2));
         }
         const double dm = std::numeric_limits<T>::denorm_min();
