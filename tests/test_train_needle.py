@@ -195,6 +195,30 @@ def test_a_shipped_checkpoint_resumes_into_a_new_stage(tmp_path: Path):
     assert log_records(tmp_path / "full") == log_records(shipped)
 
 
+def test_a_stage_sets_lerope_alpha_as_it_starts_and_training_keeps_it(tmp_path: Path):
+    """A stage's `lerope_alpha` (a LongRoPE-style rescale of the slow RoPE pairs) is set as the stage starts and
+    kept: the optimizer never moves alpha, the stage before it does not see it, the stages after it and the saved
+    checkpoint carry it, and a run resumed after it ends with the uninterrupted run's weights."""
+    alpha = (0.0,) * 6 + (-3.0, -6.0)
+    recipe = Recipe(seed=4, stages=(Stage("dense", 2, 16, 48, False, 1e-3),
+                                    Stage("rescaled", 2, 64, 160, True, 1e-3, lerope_alpha=alpha),
+                                    Stage("after", 2, 64, 160, True, 1e-3)),
+                    tokens_per_batch=512, warmup=2)
+    a = train(tmp_path / "a", recipe)
+    assert a.lerope.alpha.tolist() == list(alpha)
+    assert load_model(tmp_path / "a" / "after-dense").lerope.alpha.abs().max() == 0
+    assert load_model(tmp_path / "a" / "after-rescaled").lerope.alpha.tolist() == list(alpha)
+    assert load_model(tmp_path / "a").lerope.alpha.tolist() == list(alpha)
+    (tmp_path / "c").mkdir()
+    for stage in ("dense", "rescaled"):
+        shutil.copytree(tmp_path / "a" / f"after-{stage}", tmp_path / "c" / f"after-{stage}")
+    shutil.copy(tmp_path / "a" / "train_log.jsonl", tmp_path / "c")
+    c = train(tmp_path / "c", recipe, resume=True)
+    for (n, p), q in zip(a.named_parameters(), c.parameters()):
+        assert torch.equal(p, q), n
+    assert log_records(tmp_path / "a") == log_records(tmp_path / "c")
+
+
 def test_resume_warns_when_the_log_came_from_another_numeric_environment(tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch):
     for var in DISPATCH_VARS:

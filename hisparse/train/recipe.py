@@ -61,6 +61,8 @@ class Stage:
     threads: int = 1                 # torch threads: part of the recipe, because the thread count changes how
                                      # torch splits reductions, hence the weights (the long stages ran on 2)
     gate: Gate | None = None         # None: one round of `steps`
+    lerope_alpha: tuple[float, ...] | None = None   # LeRoPE alpha [dR/2] set as the stage starts (a LongRoPE-style
+                                     # rescale of the slowest pairs), then kept: training never updates alpha
 
 
 @dataclass(frozen=True)

@@ -157,6 +157,9 @@ def _train(out: Path, recipe: Recipe, resume: bool) -> ML4:
         if records and (state is None or state.start > 0):
             model = load_stage(out, stage)
         exact = [rec["answer_exact"] for rec in records]
+        if not records and state is None and stage.lerope_alpha is not None:
+            with torch.no_grad():
+                model.lerope.alpha.copy_(torch.tensor(stage.lerope_alpha))
         while state is not None or not stage_done(stage, exact):
             start = state.start if state is not None else len(exact)
             torch.set_num_threads(stage.threads)
