@@ -164,3 +164,50 @@ def test_retrieved_whole_numbers(seed: int) -> None:
         assert not retrieved(value, noise + digit + value + noise)     # inside a longer number
         assert not retrieved(value, noise + value + digit)
         assert not retrieved(value, noise + value[:-1] + " " + value[-1])
+
+
+def test_distances_counts_each_prompts_far_keys_once_per_position() -> None:
+    """A key picked at answer steps i and i + 1 is one more token away at the second: it counts once, for one
+    prompt; distances under FAR are not counted."""
+    from benchmarks.needle.distances import FAR, shared_distances
+    trials = [{"far_distances_per_step": [[FAR + 5, FAR + 900], [FAR + 6, 20]]},
+              {"far_distances_per_step": [[FAR + 5], [FAR + 3000]]}]
+    shared = shared_distances(trials)
+    assert shared[0] == {"distance_at_first_step": FAR + 5, "prompts": 2}
+    assert sorted(s["distance_at_first_step"] for s in shared[1:]) == [FAR + 900, FAR + 2999]
+
+
+def test_distances_rope_aliases_are_the_phase_near_repeats() -> None:
+    """rope_aliases: the distances in [FAR, context) with the smallest sum_j (1 - cos(d omega_j)), best first,
+    one per 64-token block, from the model's own (YaRN + LeRoPE) frequencies."""
+    import torch
+    from benchmarks.needle.distances import FAR, rope_aliases
+    from hisparse.model.rope import rope_frequencies
+    from hisparse.model.weights import load_model
+    model = load_model(builtin_tiny())
+    context = 40_000
+    found = rope_aliases(model, context)
+    d = torch.arange(FAR, context, dtype=torch.float64)
+    gap = (1 - torch.cos(d[:, None] * rope_frequencies(model.cfg, model.lerope.alpha)[None, :])).sum(1)
+    assert found[0] == FAR + int(torch.argmin(gap))
+    gaps = [float(gap[x - FAR]) for x in found]
+    assert gaps == sorted(gaps) and len({x // 64 for x in found}) == len(found)
+
+
+def test_distances_trial_records_every_answer_step() -> None:
+    """One short prompt through the shipped retrieval model: it is answered, and each of the 9 answer steps
+    records layer 2's newest keys held (of 16) and its other keys' distances (all >= 16)."""
+    from benchmarks.needle.distances import trial
+    from hisparse.kv.settings import KVSettings
+    from hisparse.model.tokenizer import load_tokenizer
+    from hisparse.model.weights import load_model
+    ckpt = Path(__file__).resolve().parents[1] / "checkpoints" / "needle-ml4"
+    model, tok = load_model(ckpt), load_tokenizer(ckpt).instruct_tokenizer.tokenizer
+    settings = KVSettings(offload="hisparse", host_pool_gib=0.25, hot_buffer_tokens=128)
+    t = trial(model, tok, settings, 2000, 0.5, random.Random(0), layer=2)
+    assert t["found"] and t["completion"].strip() == t["value"] + "."
+    assert len(t["newest_held_per_step"]) == len(t["far_distances_per_step"]) == 9
+    assert all(0 <= n <= 16 for n in t["newest_held_per_step"]) and t["newest_held_per_step"][0] > 8
+    assert all(d >= 16 for ds in t["far_distances_per_step"] for d in ds)
+    assert all(n + len(ds) <= model.cfg.index_topk
+               for n, ds in zip(t["newest_held_per_step"], t["far_distances_per_step"]))
