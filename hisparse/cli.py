@@ -14,6 +14,7 @@ from .engine.cuda_graphs import GRAPH_MODES
 from .kv.settings import KVSettings, KVSettingsError
 from .engine.request import MAX_LOGPROBS
 from .host_pool.layout import LAYOUTS
+from .train.recipe import Recipe
 
 API_KEY_ENV = "HISPARSE_API_KEY"   # `hisparse serve`'s API key when --api-key is not given (as vLLM's VLLM_API_KEY)
 
@@ -294,6 +295,10 @@ def add_train_needle(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=TRAINED_CHECKPOINT, help="checkpoint dir to write (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="training seed (default: %(default)s)")
     p.add_argument("--resume", action="store_true", help="continue after the last stage checkpoint in --out")
+    p.add_argument("--rope-theta", type=float, default=Recipe.rope_theta,
+                   help="the model's rope_theta (default: %(default)s)")
+    p.add_argument("--yarn-factor", type=int, default=Recipe.yarn_factor,
+                   help="the model's YaRN factor over an original length of 64 (default: %(default)s)")
     p.add_argument("--eval-only", action="store_true", help="skip training; evaluate the checkpoint in --out")
     p.add_argument("--eval-chars", default="1000,4000,8000",
                    help="haystack lengths (characters = tokens) (default: %(default)s)")

@@ -211,3 +211,23 @@ def test_distances_trial_records_every_answer_step() -> None:
     assert all(d >= 16 for ds in t["far_distances_per_step"] for d in ds)
     assert all(n + len(ds) <= model.cfg.index_topk
                for n, ds in zip(t["newest_held_per_step"], t["far_distances_per_step"]))
+
+
+def test_rope_margin_holds_on_every_far_distance_and_beats_simple_weightings() -> None:
+    """rope_margin's coefficients keep every near distance (0..16) at least `margin` above every far one
+    (checked here over all of them), and the linear program's margin is at least that of two hand-made
+    weightings of the same unit norm (all cosines equal; the slowest pair alone)."""
+    import numpy as np
+    from benchmarks.needle.rope_margin import frequencies, margin
+    near, far, context = 16, 1024, 32768
+    for theta, factor in [(100.0, 4), (1e4, 16)]:
+        omega = frequencies(theta, factor)
+        m, coef, u = margin(omega, near, far, context)
+        near_d, far_d = np.arange(near + 1.0)[:, None] * omega, np.arange(far, context, dtype=float)[:, None] * omega
+        near_f, far_f = np.hstack([np.cos(near_d), np.sin(near_d)]), np.hstack([np.cos(far_d), np.sin(far_d)])
+        assert abs(np.abs(coef).sum() - 1) < 1e-6
+        assert m == pytest.approx((near_f @ coef).min() - (far_f @ coef).max(), abs=1e-12)
+        for simple in (np.r_[np.full(omega.size, 1 / omega.size), np.zeros(omega.size)],
+                       np.r_[np.eye(omega.size)[np.argmin(omega)], np.zeros(omega.size)]):
+            assert m >= (near_f @ simple).min() - (far_f @ simple).max() - 1e-9
+    assert margin(frequencies(100.0, 4), near, far, context)[0] < margin(frequencies(1e4, 16), near, far, context)[0]

@@ -21,7 +21,7 @@ from hisparse.model.weights import load_model
 from hisparse.train.evaluate import passkey_accuracy
 import hisparse.train.forward as fw
 from hisparse.train.forward import train_forward
-from hisparse.train.recipe import TOKENIZER_WORDS, Gate, Recipe, Stage, retrieval_params
+from hisparse.train.recipe import TOKENIZER_WORDS, Gate, Recipe, Stage
 from hisparse.model.weights import save_model
 from hisparse.train.drafter import drafter_params, with_drafter
 import hisparse.train.trainer as trainer
@@ -101,7 +101,7 @@ def test_training_is_reproducible_and_writes_a_servable_checkpoint(tmp_path: Pat
         if name.endswith("ssmax_scaling"):
             assert (p[:, 0] >= 0).all() and (p[:, 1] >= 0.1).all()
     saved = load_model(tmp_path / "a")
-    assert saved.cfg == ModelConfig.from_params(retrieval_params())
+    assert saved.cfg == ModelConfig.from_params(Recipe().params())
     assert load_tokenizer(tmp_path / "a").instruct_tokenizer.tokenizer.n_words == TOKENIZER_WORDS
     lines = (tmp_path / "a" / "train_log.jsonl").read_text().splitlines()
     assert len(lines) == 1 + 3 + 2 + 2
@@ -225,7 +225,7 @@ def test_resume_warns_when_the_log_came_from_another_numeric_environment(tmp_pat
         monkeypatch.delenv(var, raising=False)
     recipe = Recipe(stages=(Stage("dense", 1, 16, 48, False, 1e-3),))
     env = numeric_env()
-    (tmp_path / "train_log.jsonl").write_text(json.dumps({"env": env}) + "\n")
+    (tmp_path / "train_log.jsonl").write_text(json.dumps({"env": env, "params": recipe.params()}) + "\n")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert trained_steps(tmp_path, recipe, env) == {}
@@ -234,6 +234,18 @@ def test_resume_warns_when_the_log_came_from_another_numeric_environment(tmp_pat
     assert other == {**env, "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
     with pytest.warns(UserWarning, match="another numeric environment"):
         trained_steps(tmp_path, recipe, other)
+
+
+def test_resume_refuses_a_log_of_other_rope_frequencies(tmp_path: Path):
+    """A run trained with one --rope-theta / --yarn-factor is not continued with another: the error names the
+    params that differ."""
+    recipe = Recipe(stages=(Stage("dense", 1, 16, 48, False, 1e-3),))
+    (tmp_path / "train_log.jsonl").write_text(json.dumps({"env": numeric_env(), "params": recipe.params()}) + "\n")
+    assert trained_steps(tmp_path, recipe, numeric_env()) == {}
+    with pytest.raises(ValueError, match=r"\['rope_theta', 'yarn'\]"):
+        trained_steps(tmp_path, replace(recipe, rope_theta=1e4, yarn_factor=16), numeric_env())
+    with pytest.raises(ValueError, match=r"\['yarn'\]"):
+        trained_steps(tmp_path, replace(recipe, yarn_factor=16), numeric_env())
 
 
 def test_the_shipped_run_meets_every_gate_of_the_recipe_in_its_first_round():
@@ -250,7 +262,7 @@ def test_the_shipped_run_meets_every_gate_of_the_recipe_in_its_first_round():
 
 
 def test_init_model_ssmax_gain_is_one():
-    model = init_model(ModelConfig.from_params(retrieval_params()), 0)
+    model = init_model(ModelConfig.from_params(Recipe().params()), 0)
     for name, p in model.named_parameters():
         if name.endswith("ssmax_scaling"):
             assert torch.equal(p, torch.tensor([[0.0, 1.0]]).expand_as(p))

@@ -9,17 +9,17 @@ from typing import Any
 TOKENIZER_WORDS = 1256     # 1000 special slots + the 256 byte tokens: one token per character of ASCII text
 
 
-def retrieval_params() -> dict[str, Any]:
+def retrieval_params(rope_theta: float, yarn_factor: int) -> dict[str, Any]:
     """A 4-layer, dim-128 ML4 (~1.3M parameters): RoPE layers 0-2 and NoPE layer 3, each with its own latent KV
-    and lightning indexer (top-64), SSMax in attention and indexers, YaRN; dense SwiGLU FFNs (first_k_dense_replace
-    covers every layer, so the MoE block is inert). rope_theta 100 with YaRN (64 -> x4) keeps every RoPE
-    wavelength (6 .. 1,413 tokens) inside the training lengths, so no rotation angle is new at 128k."""
+    and lightning indexer (top-64), SSMax in attention and indexers, YaRN over an original length of 64 with the
+    given theta and factor (`Recipe` holds the choice); dense SwiGLU FFNs (first_k_dense_replace covers every
+    layer, so the MoE block is inert)."""
     n = 4
     return {
         "dim": 128, "n_layers": n, "n_heads": 4, "n_kv_heads": 4, "vocab_size": TOKENIZER_WORDS, "norm_eps": 1e-6,
-        "tied_embeddings": False, "hidden_dim": 384, "max_position_embeddings": 1 << 20, "rope_theta": 100.0,
+        "tied_embeddings": False, "hidden_dim": 384, "max_position_embeddings": 1 << 20, "rope_theta": rope_theta,
         "q_lora_rank": None, "kv_lora_rank": 64, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32,
-        "yarn": {"original_max_position_embeddings": 64, "factor": 4, "apply_scale": False, "beta": 32, "alpha": 1},
+        "yarn": {"original_max_position_embeddings": 64, "factor": yarn_factor, "apply_scale": False, "beta": 32, "alpha": 1},
         "no_rope_layers": [0 if i % 4 == 3 else 1 for i in range(n)], "kv_source_layers": list(range(n)),
         "index_n_heads": 4, "index_head_dim": 32, "index_topk": 64, "index_source_layers": list(range(n)),
         "indexer_rope_interleave": True, "ssmax": {"attention": True, "indexer": True},
@@ -88,3 +88,13 @@ class Recipe:
     kl_recent_keys: int = 64           # topk_only stages: the newest keys the indexer KL adds to Sel(t)
     warmup: int = 100                  # linear warm-up steps of a stage (unless it sets its own)
     clip: float = 1.0
+    # RoPE frequencies (8 pairs). theta 100, x4 keeps every wavelength (6 .. 1,413 tokens) inside the training
+    # lengths, so no rotation angle is new at 128k, but with 8 short wavelengths far distances repeat the phases
+    # of near ones (docs/needle-model.md, "Why 128k breaks"). benchmarks/needle/rope_margin.py rates a choice by
+    # how far an indexer can rank the 16 newest keys above every far one.
+    rope_theta: float = 100.0
+    yarn_factor: int = 4
+
+    def params(self) -> dict[str, Any]:
+        """params.json of the model this recipe trains."""
+        return retrieval_params(self.rope_theta, self.yarn_factor)

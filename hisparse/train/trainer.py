@@ -18,7 +18,7 @@ import os
 import random
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TextIO
 
@@ -35,7 +35,7 @@ from ..model.weights import load_model, save_model
 from .forward import train_forward
 from .topk_forward import topk_forward
 from .passkey import answer, sample_prompt
-from .recipe import TOKENIZER_WORDS, Recipe, Stage, retrieval_params
+from .recipe import TOKENIZER_WORDS, Recipe, Stage
 
 
 def init_model(cfg: ModelConfig, seed: int) -> ML4:
@@ -139,14 +139,14 @@ def train(out: Path, recipe: Recipe = Recipe(), resume: bool = False) -> ML4:
 def _train(out: Path, recipe: Recipe, resume: bool) -> ML4:
     out.mkdir(parents=True, exist_ok=True)
     write_tekken(out, TOKENIZER_WORDS)
-    cfg = ModelConfig.from_params(retrieval_params())
+    cfg = ModelConfig.from_params(recipe.params())
     model = init_model(cfg, recipe.seed).train()
     data = PasskeyBatches(out, recipe.seed)
     env = numeric_env()
     partial = RoundState.load(out) if resume else None
     trained = trained_steps(out, recipe, env, partial) if resume else {}
     log = open(out / "train_log.jsonl", "w")
-    log.write(json.dumps({"recipe": asdict(recipe), "params": retrieval_params(), "env": env}) + "\n")
+    log.write(json.dumps({"recipe": asdict(recipe), "params": recipe.params(), "env": env}) + "\n")
     t0 = time.time()
     for stage in recipe.stages:
         records = trained.get(stage.name, [])
@@ -199,6 +199,11 @@ def trained_steps(out: Path, recipe: Recipe, env: dict[str, str],
     log), the checkpoint in `out` itself. Warns when the log was written in another numeric environment than
     `env`: the resumed run is then not the run its seed would give here."""
     header, *lines = [json.loads(ln) for ln in (out / "train_log.jsonl").read_text().splitlines()]
+    params = recipe.params()
+    differ = sorted(k for k in header["params"].keys() | params.keys() if header["params"].get(k) != params.get(k))
+    if differ:
+        raise ValueError(f"resume: {out / 'train_log.jsonl'} trained a model whose params differ in {differ} "
+                         f"(--rope-theta / --yarn-factor choose rope_theta and yarn)")
     if header.get("env") != env:
         warnings.warn(f"resuming a run logged in another numeric environment (logged: {header.get('env')}; "
                       f"here: {env}): its steps will not be bit-identical to an uninterrupted run")
@@ -309,7 +314,7 @@ def load_stage(out: Path, stage: Stage) -> ML4:
     ckpt = stage_dir(out, stage)
     model = load_model(ckpt if (ckpt / "params.json").exists() else out, progress=False)
     if model.mtp_dspark is not None:
-        bare = ML4(ModelConfig.from_params(retrieval_params()))
+        bare = ML4(replace(model.cfg, mtp=None))
         bare.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("mtp_dspark.")})
         model = bare
     return model.train()
@@ -344,5 +349,5 @@ def main(args) -> None:
     except KVSettingsError as e:
         raise SystemExit(f"--hot-buffer-tokens: {e.problem}") from None
     if not args.eval_only:
-        train(out, Recipe(seed=args.seed), resume=args.resume)
+        train(out, Recipe(seed=args.seed, rope_theta=args.rope_theta, yarn_factor=args.yarn_factor), resume=args.resume)
     report(out, [int(c) for c in args.eval_chars.split(",")], args.eval_samples, settings, args.seed)
