@@ -336,7 +336,8 @@ class HiSparseKV(DeviceBudget, HybridPages, LatentKV):
             fresh = self.layout.gather_unpack(extra, plan.extra[head].clamp(min=0), self.dtype)
             decoded = torch.where((plan.kind[head] == EXTRA)[:, None], fresh, decoded)
         at = group[j]                                                                          # [n, k]
-        return lambda lo, hi: decoded[at[lo:hi]]
+        # index_select copies whole rows, where advanced indexing copies element by element
+        return lambda lo, hi: decoded.index_select(0, at[lo:hi].flatten()).view(hi - lo, at.shape[1], -1)
 
     def stored_rows(self, layer: int, seg: torch.Tensor, sel: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
