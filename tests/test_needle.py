@@ -83,6 +83,7 @@ def test_hisparse_on_equals_off(servers: dict[str, str], tmp_path: Path) -> None
     assert len({r["value"] for r in records}) == 6
     assert "base == compare 6/6 (100.0%)" in proc.stdout
     assert "needle:" in proc.stderr and "req" in proc.stderr
+    assert "prefill base" in proc.stderr and "prefill compare" in proc.stderr   # the servers' token counters
     png = (out / "needle.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     import matplotlib.image
@@ -231,3 +232,46 @@ def test_rope_margin_holds_on_every_far_distance_and_beats_simple_weightings() -
                        np.r_[np.eye(omega.size)[np.argmin(omega)], np.zeros(omega.size)]):
             assert m >= (near_f @ simple).min() - (far_f @ simple).max() - 1e-9
     assert margin(frequencies(100.0, 4), near, far, context)[0] < margin(frequencies(1e4, 16), near, far, context)[0]
+
+
+def test_prefill_watch_parses_counters_and_fits_the_quadratic() -> None:
+    """The prompt-token counter of hisparse's and vLLM's /metrics text (summed over label sets), the /metrics URL
+    of a /v1 base URL, and the ETA's fit recovering t(p) = a p + b p^2."""
+    from benchmarks.needle.watch import fit_quadratic, metrics_url, prompt_tokens
+    text = ("# HELP hisparse_prompt_tokens_total Prompt tokens prefilled\n# TYPE hisparse_prompt_tokens_total counter\n"
+            "hisparse_prompt_tokens_total 4096.0\nhisparse_prompt_tokens_created 1.7e9\n")
+    assert prompt_tokens(text) == 4096.0
+    assert prompt_tokens('vllm:prompt_tokens_total{engine="0",model_name="m"} 10.0\n'
+                         'vllm:prompt_tokens_total{engine="1",model_name="m"} 5.0\n') == 15.0
+    assert prompt_tokens("hisparse_generation_tokens_total 3.0\n") is None
+    assert metrics_url("http://127.0.0.1:8000/v1") == metrics_url("http://127.0.0.1:8000/v1/") \
+        == "http://127.0.0.1:8000/metrics"
+    a, b = fit_quadratic([(p, 2e-4 * p + 3e-9 * p * p) for p in (4096, 65536, 262144, 1 << 20)])
+    assert a == pytest.approx(2e-4) and b == pytest.approx(3e-9)
+    assert fit_quadratic([(1, 1.0), (2, 2.0)]) is None
+
+
+def test_prefill_watch_follows_a_real_servers_prefill(servers: dict[str, str]) -> None:
+    """Against a running `hisparse serve`: the bar ends at the prompt tokens the server prefilled for the watched
+    requests, each finished request is a point of the fit, and nothing is left to wait for."""
+    import openai
+    from benchmarks.needle.watch import PrefillWatch
+    url = f"{servers['hisparse']}/v1"
+    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    lengths = [1500, 1200, 900]
+    watch = PrefillWatch({"base": (url, lengths)}, every_s=0.01)
+    try:
+        for n in lengths:
+            watch.begin("base", n)
+            prompt = [10 + (i * 31 + n) % 500 for i in range(n)]   # no shared prefix for the prefix cache
+            r = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0)
+            assert r.usage.prompt_tokens == n
+            watch.end("base")
+        lane = watch.lanes["base"]
+        assert lane.bar.n == lane.bar.total == sum(lengths)
+        assert lane.queued == [] and lane.current is None
+        assert {p for p, _ in lane.points} >= set(lengths) and all(0 < p <= max(lengths) for p, _ in lane.points)
+        assert watch.eta("base", 0) == 0.0
+    finally:
+        watch.close()

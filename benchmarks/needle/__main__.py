@@ -4,8 +4,9 @@
         --depths 0,25,50,75,100 [--compare-base-url URL] [--seeds 3] [--tokenizer CKPT_DIR] [--out DIR]
 
 Writes DIR/needle.json (every request and the per-cell table) and DIR/needle.png (depth x length heatmaps),
-shows a progress bar, and prints one summary line. DIR/records.jsonl gets each record as it finishes, so a
-stopped run continues with --resume.
+shows a progress bar of requests and, read from each server's /metrics, one of prefilled prompt tokens with an ETA
+(a million-token request answers after many minutes), and prints one summary line. DIR/records.jsonl gets each
+record as it finishes, so a stopped run continues with --resume.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--concurrency", type=int, default=1, help="requests in flight per endpoint")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per request")
     ap.add_argument("--out", default="benchmarks/results/needle", help="output folder")
+    ap.add_argument("--prefill-bar", type=float, default=5.0, metavar="SECONDS",
+                    help="poll each server's /metrics this often for a prefill progress bar with an ETA (0: off)")
     ap.add_argument("--resume", action="store_true",
                     help="keep the records OUT/records.jsonl already holds (a stopped run) and ask only the rest")
     return ap
@@ -82,7 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out)
     t0 = time.perf_counter()
     records, resumed = run_grid(builder_for, endpoints, grid, depths, args.seeds, args.max_tokens,
-                                args.concurrency, out / "records.jsonl", args.resume)
+                                args.concurrency, out / "records.jsonl", args.resume, args.prefill_bar)
     summary = summarize(records, names, time.perf_counter() - t0)
     summary["resumed"] = resumed
     cells = cell_table(records, names)

@@ -21,6 +21,7 @@ import openai
 from tqdm import tqdm
 
 from .prompt import NeedlePrompt, PromptBuilder
+from .watch import PrefillWatch
 
 UNITS = {"k": 1 << 10, "m": 1 << 20}
 
@@ -168,13 +169,15 @@ def read_journal(path: Path) -> Journal:
 
 def run_grid(builder_for: Callable[[int], PromptBuilder], endpoints: list[Endpoint],
              lengths: list[tuple[str, int]], depths: list[float], seeds: int, max_tokens: int, concurrency: int,
-             journal: Path, resume: bool = False) -> tuple[list[Record], int]:
+             journal: Path, resume: bool = False, watch_every_s: float = 0.0) -> tuple[list[Record], int]:
     """Build every prompt (seed s from builder_for(s): one shared haystack, or a fresh one per seed), then send
     each to every endpoint (`concurrency` requests in flight per endpoint).
 
     Seeds go in the outer loop, so a run stopped part way has every cell about equally sampled. Each finished
     record is appended to `journal` (JSON lines); with resume, records already there (same cell, seed, passkey
-    and haystack, answered by every endpoint) are kept instead of asked again. Returns (records, resumed)."""
+    and haystack, answered by every endpoint) are kept instead of asked again. With watch_every_s, a bar per
+    endpoint shows its prefilled prompt tokens, read from its /metrics that often (`PrefillWatch`). Returns
+    (records, resumed)."""
     done = read_journal(journal) if resume else {}
     cells = [(label, n, d, s) for s in range(seeds) for label, n in lengths for d in depths]
     records, prompts, resumed = [], [], 0
@@ -193,6 +196,17 @@ def run_grid(builder_for: Callable[[int], PromptBuilder], endpoints: list[Endpoi
     todo = [(r, p) for r, p in zip(records, prompts) if p is not None]
     pools = {ep.name: ThreadPoolExecutor(concurrency) for ep in endpoints}
     lock = threading.Lock()
+    watch = (PrefillWatch({ep.name: (ep.url, [r.tokens for r, _ in todo]) for ep in endpoints}, watch_every_s,
+                          per_request_eta=concurrency == 1) if watch_every_s > 0 and todo else None)
+
+    def watched(ep: Endpoint, rec: Record, p: NeedlePrompt) -> Answer:
+        if watch is None:
+            return ask(ep, p, max_tokens)
+        watch.begin(ep.name, rec.tokens)
+        try:
+            return ask(ep, p, max_tokens)
+        finally:
+            watch.end(ep.name)
 
     def finished(rec: Record, name: str, answer: Answer) -> None:
         with lock:
@@ -206,13 +220,15 @@ def run_grid(builder_for: Callable[[int], PromptBuilder], endpoints: list[Endpoi
         futures = []
         for rec, p in todo:
             for ep in endpoints:
-                fut = pools[ep.name].submit(ask, ep, p, max_tokens)
+                fut = pools[ep.name].submit(watched, ep, rec, p)
                 fut.add_done_callback(lambda f, rec=rec, name=ep.name: finished(rec, name, f.result()))
                 futures.append(fut)
         for fut in futures:
             fut.result()
     for pool in pools.values():
         pool.shutdown()
+    if watch is not None:
+        watch.close()
     return records, resumed
 
 

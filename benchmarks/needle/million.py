@@ -29,7 +29,6 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -48,6 +47,7 @@ from .corpus import Corpus
 from .harness import needle_value, retrieved
 from .prompt import PromptBuilder
 from .tokens import LocalCounter
+from .watch import fit_quadratic, fmt_s
 
 MILLION = 1 << 20
 PROGRESS_EVERY_S = 10.0
@@ -68,19 +68,6 @@ def pool_gib(cfg, settings: KVSettings, tokens: int) -> float:
     page = settings.page_tokens
     page_bytes = page * row_layout(cfg, settings.layout).row_bytes * len(cfg.kv_owner_layers)
     return (-(-tokens // page) + 0.5) * page_bytes / GIB
-
-
-def fit_quadratic(points: list[tuple[int, float]]) -> tuple[float, float] | None:
-    """(a, b) >= 0 of t(p) = a p + b p^2 by least squares, or None before there are three points."""
-    if len(points) < 3:
-        return None
-    p, t = np.array(points, dtype=np.float64).T
-    (a, b), *_ = np.linalg.lstsq(np.stack((p, p * p), axis=1), t, rcond=None)
-    if b < 0:     # no measurable quadratic part yet: linear fit
-        return float(p @ t / (p @ p)), 0.0
-    if a < 0:
-        return 0.0, float((p * p) @ t / ((p * p) @ (p * p)))
-    return float(a), float(b)
 
 
 class PrefillClock:
@@ -129,13 +116,6 @@ def git_commit() -> str | None:
                               cwd=Path(__file__).parent, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
-
-
-def fmt_s(s: float | None) -> str:
-    if s is None:
-        return "?"
-    s = max(0, int(s))
-    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
 def run(args: argparse.Namespace, settings: KVSettings) -> dict:
