@@ -14,7 +14,7 @@ from .engine.cuda_graphs import GRAPH_MODES
 from .kv.settings import KVSettings, KVSettingsError
 from .engine.request import MAX_LOGPROBS
 from .host_pool.layout import LAYOUTS
-from .train.recipe import Recipe
+from .train.recipe import LONG_STAGES, Recipe
 
 API_KEY_ENV = "HISPARSE_API_KEY"   # `hisparse serve`'s API key when --api-key is not given (as vLLM's VLLM_API_KEY)
 
@@ -299,6 +299,8 @@ def add_train_needle(sub: argparse._SubParsersAction) -> None:
                    help="the model's rope_theta (default: %(default)s)")
     p.add_argument("--yarn-factor", type=int, default=Recipe.yarn_factor,
                    help="the model's YaRN factor over an original length of 64 (default: %(default)s)")
+    p.add_argument("--long-stages", choices=sorted(LONG_STAGES), default="sparse-128k",
+                   help="the stages after the shipped model's (docs/needle-model.md) (default: %(default)s)")
     p.add_argument("--eval-only", action="store_true", help="skip training; evaluate the checkpoint in --out")
     p.add_argument("--eval-chars", default="1000,4000,8000",
                    help="haystack lengths (characters = tokens) (default: %(default)s)")

@@ -21,11 +21,12 @@ from hisparse.model.weights import load_model
 from hisparse.train.evaluate import passkey_accuracy
 import hisparse.train.forward as fw
 from hisparse.train.forward import train_forward
-from hisparse.train.recipe import TOKENIZER_WORDS, Gate, Recipe, Stage
+from hisparse.train.recipe import FIRST_STAGES, LONG_STAGES, TOKENIZER_WORDS, Gate, Recipe, Stage
 from hisparse.model.weights import save_model
 from hisparse.train.drafter import drafter_params, with_drafter
 import hisparse.train.trainer as trainer
-from hisparse.train.trainer import DISPATCH_VARS, PARTIAL_FILE, init_model, numeric_env, train, trained_steps
+from hisparse.train.trainer import (DISPATCH_VARS, PARTIAL_FILE, init_model, lerope_at, numeric_env, train,
+                                    trained_steps)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 SHIPPED = Path(__file__).resolve().parents[1] / "checkpoints" / "needle-ml4"
@@ -219,6 +220,49 @@ def test_a_stage_sets_lerope_alpha_as_it_starts_and_training_keeps_it(tmp_path: 
     assert log_records(tmp_path / "a") == log_records(tmp_path / "c")
 
 
+def test_a_ramped_stage_moves_lerope_alpha_step_by_step_and_resumes_mid_ramp(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch):
+    """`lerope_ramp` moves alpha linearly from the earlier stages' setting to the stage's over its first steps;
+    every step trains with its own alpha, the retry keeps the target, and a run killed mid-ramp resumes to the
+    uninterrupted run's weights and log."""
+    first, target = (0.0,) * 6 + (-1.0, -2.0), (0.0,) * 4 + (-0.5, -1.0, -2.5, -5.0)
+    ramped = Stage("ramped", 4, 96, 200, True, 1e-3, topk_only=True, gate=Gate(1.1, 2, retry_steps=2, retries=1),
+                   lerope_alpha=target, lerope_ramp=3)
+    recipe = Recipe(seed=5, stages=(Stage("rescaled", 2, 16, 48, False, 1e-3, lerope_alpha=first), ramped),
+                    tokens_per_batch=512, warmup=2, kl_recent_keys=8)
+    want = [[f + (t - f) * k / 3 for f, t in zip(first, target)] for k in (1, 2, 3, 3, 3, 3)]
+    for step in range(4):
+        assert torch.allclose(lerope_at(recipe, ramped, step), torch.tensor(want[step]))
+    real, seen = trainer.topk_forward, []
+
+    def records_alpha(model, *args, **kw):
+        seen.append(model.lerope.alpha.tolist())
+        return real(model, *args, **kw)
+
+    monkeypatch.setattr(trainer, "topk_forward", records_alpha)
+    a = train(tmp_path / "a", recipe)
+    assert len(seen) == 6
+    for got, exp in zip(seen, want):
+        assert got == pytest.approx(exp, abs=1e-6)
+    assert a.lerope.alpha.tolist() == list(target)
+    monkeypatch.setattr(trainer, "PARTIAL_EVERY_S", 0.0)
+
+    def dies(*args, **kw):
+        if len(seen) >= 8:          # six steps above, then two of the killed run: mid-ramp
+            raise Interrupt
+        return records_alpha(*args, **kw)
+
+    monkeypatch.setattr(trainer, "topk_forward", dies)
+    with pytest.raises(Interrupt):
+        train(tmp_path / "b", recipe)
+    monkeypatch.setattr(trainer, "topk_forward", records_alpha)
+    b = train(tmp_path / "b", recipe, resume=True)
+    assert seen[8:] == seen[2:6]       # the resumed steps train with the alphas they had
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), n
+    assert log_records(tmp_path / "a") == log_records(tmp_path / "b")
+
+
 def test_resume_warns_when_the_log_came_from_another_numeric_environment(tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch):
     for var in DISPATCH_VARS:
@@ -256,6 +300,9 @@ def test_the_shipped_run_meets_every_gate_of_the_recipe_in_its_first_round():
         steps.setdefault(rec["stage"], []).append(rec["answer_exact"])
     recipe = [stage.name for stage in Recipe().stages]
     assert list(steps) == recipe[:len(steps)] and len(steps) >= 7
+    assert list(steps)[:len(FIRST_STAGES)] == [stage.name for stage in FIRST_STAGES]
+    for name, long in LONG_STAGES.items():      # every long schedule trains on from the shipped stages
+        assert long and not {stage.name for stage in long} & set(steps), name
     for stage in Recipe().stages[:len(steps)]:
         assert len(steps[stage.name]) == stage.steps, stage.name
         assert stage.gate is None or stage.gate.met(steps[stage.name]), stage.name

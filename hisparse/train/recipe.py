@@ -64,25 +64,47 @@ class Stage:
     gate: Gate | None = None         # None: one round of `steps`
     lerope_alpha: tuple[float, ...] | None = None   # LeRoPE alpha [dR/2] set as the stage starts (a LongRoPE-style
                                      # rescale of the slowest pairs), then kept: training never updates alpha
+    lerope_ramp: int = 0             # > 0: alpha moves linearly over the first round's first `lerope_ramp` steps,
+                                     # from the previous stages' setting to `lerope_alpha`, so the model follows it
+
+
+FIRST_STAGES = (
+    Stage("copy", 600, 16, 384, False, 2e-3, (1, 2, 3)),
+    Stage("sparse-copy", 700, 48, 1024, True, 1.5e-3, (0, 1, 2), gate=Gate(0.97, 100, 300)),
+    Stage("sparse-long", 300, 256, 3072, True, 7e-4, (0, 0, 1), gate=Gate(0.97, 100, 200)),
+    Stage("sparse-8k", 30, 2048, 8192, True, 5e-4, warmup=6, gate=Gate(0.875, 8, 16)),
+    Stage("sparse-32k", 40, 8192, 32768, True, 5e-4, warmup=6, topk_only=True, threads=2, gate=Gate(0.875, 8, 20)),
+    Stage("sparse-36k", 24, 16384, 36864, True, 3e-4, warmup=4, topk_only=True, threads=2, gate=Gate(0.875, 8, 12)),
+    Stage("sparse-40k", 30, 24576, 40960, True, 2e-4, warmup=4, topk_only=True, threads=2, gate=Gate(0.875, 8, 15)),
+)   # the shipped checkpoint (checkpoints/needle-ml4) is these stages
+
+# Pairs 4-7 (wavelengths 157, 447, 795, 1,413 tokens) stretched to ~1.5k, 8k, 40k and 256k: the margin
+# benchmarks/needle/rope_margin.py allows at 128k grows from 0.044 to 0.240, while pairs 0-3 (6-64 tokens) keep the
+# local copying the short stages taught. Values are exact in bf16, the checkpoint's dtype.
+RAMPED_ALPHA = (0.0, 0.0, 0.0, 0.0, -2.25, -2.875, -3.921875, -5.1875)
+
+LONG_STAGES: dict[str, tuple[Stage, ...]] = {
+    # one stage at up to 128k on the shipped frequencies
+    "sparse-128k": (
+        Stage("sparse-128k", 30, 32768, 131072, True, 2e-4, warmup=4, topk_only=True, threads=2,
+              gate=Gate(0.875, 8, 15)),
+    ),
+    # the slow pairs stretched step by step at up to 16k, settled at up to 40k, then 128k
+    "lerope-ramp": (
+        Stage("ramp-16k", 60, 2048, 16384, True, 2e-4, warmup=6, topk_only=True, threads=2,
+              gate=Gate(0.875, 8, 20), lerope_alpha=RAMPED_ALPHA, lerope_ramp=40),
+        Stage("ramped-40k", 40, 8192, 40960, True, 2e-4, warmup=4, topk_only=True, threads=2,
+              gate=Gate(0.875, 8, 15)),
+        Stage("ramped-128k", 30, 32768, 131072, True, 2e-4, warmup=4, topk_only=True, threads=2,
+              gate=Gate(0.875, 8, 15)),
+    ),
+}
 
 
 @dataclass(frozen=True)
 class Recipe:
     seed: int = 0
-    stages: tuple[Stage, ...] = field(default_factory=lambda: (
-        Stage("copy", 600, 16, 384, False, 2e-3, (1, 2, 3)),
-        Stage("sparse-copy", 700, 48, 1024, True, 1.5e-3, (0, 1, 2), gate=Gate(0.97, 100, 300)),
-        Stage("sparse-long", 300, 256, 3072, True, 7e-4, (0, 0, 1), gate=Gate(0.97, 100, 200)),
-        Stage("sparse-8k", 30, 2048, 8192, True, 5e-4, warmup=6, gate=Gate(0.875, 8, 16)),
-        Stage("sparse-32k", 40, 8192, 32768, True, 5e-4, warmup=6, topk_only=True, threads=2,
-              gate=Gate(0.875, 8, 20)),
-        Stage("sparse-36k", 24, 16384, 36864, True, 3e-4, warmup=4, topk_only=True, threads=2,
-              gate=Gate(0.875, 8, 12)),
-        Stage("sparse-40k", 30, 24576, 40960, True, 2e-4, warmup=4, topk_only=True, threads=2,
-              gate=Gate(0.875, 8, 15)),
-        Stage("sparse-128k", 30, 32768, 131072, True, 2e-4, warmup=4, topk_only=True, threads=2,
-              gate=Gate(0.875, 8, 15)),
-    ))
+    stages: tuple[Stage, ...] = FIRST_STAGES + LONG_STAGES["sparse-128k"]
     tokens_per_batch: int = 3072       # sequences of one length per batch, as many as fit
     answer_weight: float = 2.0         # the answer's mean CE is added to the all-token mean CE with this weight
     index_weight: float = 1.0

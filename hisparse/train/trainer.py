@@ -35,7 +35,7 @@ from ..model.weights import load_model, save_model
 from .forward import train_forward
 from .topk_forward import topk_forward
 from .passkey import answer, sample_prompt
-from .recipe import TOKENIZER_WORDS, Recipe, Stage
+from .recipe import FIRST_STAGES, LONG_STAGES, TOKENIZER_WORDS, Recipe, Stage
 
 
 def init_model(cfg: ModelConfig, seed: int) -> ML4:
@@ -100,6 +100,18 @@ def lr_at(step: int, steps: int, stage: Stage, warmup: int) -> float:
     return stage.lr * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
 
 
+def lerope_at(recipe: Recipe, stage: Stage, step: int) -> torch.Tensor:
+    """LeRoPE alpha for step `step` of a stage's first round that sets one: `stage.lerope_alpha`, reached linearly
+    over `stage.lerope_ramp` steps from the latest earlier stage's setting (0 if none). Later rounds and stages
+    keep it from the checkpoint."""
+    target = torch.tensor(stage.lerope_alpha)
+    before = [s.lerope_alpha for s in recipe.stages[:recipe.stages.index(stage)] if s.lerope_alpha is not None]
+    start = torch.tensor(before[-1]) if before else torch.zeros_like(target)
+    if stage.lerope_ramp <= 0 or step + 1 >= stage.lerope_ramp:
+        return target
+    return start + (target - start) * ((step + 1) / stage.lerope_ramp)
+
+
 def stage_dir(out: Path, stage: Stage) -> Path:
     return out / f"after-{stage.name}"
 
@@ -157,9 +169,6 @@ def _train(out: Path, recipe: Recipe, resume: bool) -> ML4:
         if records and (state is None or state.start > 0):
             model = load_stage(out, stage)
         exact = [rec["answer_exact"] for rec in records]
-        if not records and state is None and stage.lerope_alpha is not None:
-            with torch.no_grad():
-                model.lerope.alpha.copy_(torch.tensor(stage.lerope_alpha))
         while state is not None or not stage_done(stage, exact):
             start = state.start if state is not None else len(exact)
             torch.set_num_threads(stage.threads)
@@ -277,6 +286,9 @@ def train_round(model: ML4, stage: Stage, data: PasskeyBatches, recipe: Recipe, 
     for step in bar:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, steps, stage, recipe.warmup)
+        if round_ == 0 and stage.lerope_alpha is not None:
+            with torch.no_grad():
+                model.lerope.alpha.copy_(lerope_at(recipe, stage, step))
         tokens, ans, valid = data.batch(stage, recipe.tokens_per_batch)
         if stage.topk_only:
             logits, index_kl = topk_forward(model, tokens[:, :-1], recipe.kl_recent_keys)
@@ -349,5 +361,7 @@ def main(args) -> None:
     except KVSettingsError as e:
         raise SystemExit(f"--hot-buffer-tokens: {e.problem}") from None
     if not args.eval_only:
-        train(out, Recipe(seed=args.seed, rope_theta=args.rope_theta, yarn_factor=args.yarn_factor), resume=args.resume)
+        recipe = Recipe(seed=args.seed, stages=FIRST_STAGES + LONG_STAGES[args.long_stages],
+                        rope_theta=args.rope_theta, yarn_factor=args.yarn_factor)
+        train(out, recipe, resume=args.resume)
     report(out, [int(c) for c in args.eval_chars.split(",")], args.eval_samples, settings, args.seed)
