@@ -78,12 +78,12 @@ FIRST_STAGES = (
     Stage("sparse-40k", 30, 24576, 40960, True, 2e-4, warmup=4, topk_only=True, threads=2, gate=Gate(0.875, 8, 15)),
 )   # the shipped checkpoint (checkpoints/needle-ml4) is these stages
 
-# Pairs 4, 5 and 7 (wavelengths 157, 447 and 1,413 tokens) stretched to ~1.5k, 8k and 253k: the margin
-# benchmarks/needle/rope_margin.py allows at 128k grows from 0.044 to 0.208, while pairs 0-3 (6-64 tokens) keep the
-# local copying the short stages taught. Pair 6 (795) stays: alone, stretching it breaks the shipped model's answers
-# where stretching any of the other three does not (docs/needle-model.md). Values are exact in bf16, the
-# checkpoint's dtype.
-RAMPED_ALPHA = (0.0, 0.0, 0.0, 0.0, -2.25, -2.875, 0.0, -5.1875)
+# Pairs 4-7 (wavelengths 157, 447, 795 and 1,413 tokens) stretched to ~850, 3.9k, 15k and 69k: the margin
+# benchmarks/needle/rope_margin.py allows at 128k grows from 0.044 to 0.175, while pairs 0-3 (6-64 tokens) keep the
+# local copying the short stages taught. It is 3/4 of the way (in alpha) to ~1.5k, 8k, 40k and 256k (margin 0.240),
+# as far as a ramp of those four kept every answer exact (docs/needle-model.md, "A ramped stretch"). Values are
+# exact in bf16, the checkpoint's dtype.
+RAMPED_ALPHA = (0.0, 0.0, 0.0, 0.0, -1.6875, -2.15625, -2.9375, -3.890625)
 
 LONG_STAGES: dict[str, tuple[Stage, ...]] = {
     # one stage at up to 128k on the shipped frequencies
@@ -94,7 +94,7 @@ LONG_STAGES: dict[str, tuple[Stage, ...]] = {
     # the slow pairs stretched step by step at up to 16k, settled at up to 40k, then 128k
     "lerope-ramp": (
         Stage("ramp-16k", 60, 2048, 16384, True, 2e-4, warmup=6, topk_only=True, threads=2,
-              gate=Gate(0.875, 8, 20), lerope_alpha=RAMPED_ALPHA, lerope_ramp=40),
+              gate=Gate(0.875, 8, 20), lerope_alpha=RAMPED_ALPHA, lerope_ramp=30),
         Stage("ramped-40k", 40, 8192, 40960, True, 2e-4, warmup=4, topk_only=True, threads=2,
               gate=Gate(0.875, 8, 15)),
         Stage("ramped-128k", 30, 32768, 131072, True, 2e-4, warmup=4, topk_only=True, threads=2,
