@@ -3,7 +3,7 @@ stage schedule (what is trained at which lengths, for how many steps)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 TOKENIZER_WORDS = 1256     # 1000 special slots + the 256 byte tokens: one token per character of ASCII text
