@@ -24,7 +24,7 @@ from tqdm import tqdm
 from hisparse.model.weights import load_model
 from hisparse.train.recipe import RAMPED_ALPHA, Stage
 from hisparse.train.topk_forward import topk_forward
-from hisparse.train.trainer import PasskeyBatches
+from hisparse.train.trainer import PasskeyBatches, answer_hits
 
 FIRST_RAMP = (0.0, 0.0, 0.0, 0.0, -2.25, -2.875, -3.921875, -5.1875)   # pairs 4-7, the first ramp tried
 LENGTHS = (3000, 3000, 6000, 6000, 12000)
@@ -53,8 +53,7 @@ def probe(model_dir: Path, seed: int) -> dict:
         for tokens, ans, _ in batches:
             logits, _ = topk_forward(model, tokens[:, :-1], 64)
             loss = F.cross_entropy(logits, tokens[:, 1:].flatten(), reduction="none").view(ans.shape)
-            hit = (logits.argmax(-1).view(ans.shape) == tokens[:, 1:]) | ~ans
-            exact.append(hit.all(dim=1).float().mean().item())
+            exact.append(answer_hits(logits, tokens, ans).float().mean().item())
             ce.append(round(loss[ans].mean().item(), 4))
         rows.append({"setting": name, "alpha": list(alpha), "answer_exact": exact, "answer_ce": ce})
         print(f"{name:32s} exact {sum(exact):.0f}/{len(exact)}  answer CE {ce}", flush=True)

@@ -100,6 +100,13 @@ def lr_at(step: int, steps: int, stage: Stage, warmup: int) -> float:
     return stage.lr * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
 
 
+def answer_hits(logits: torch.Tensor, tokens: torch.Tensor, ans: torch.Tensor) -> torch.Tensor:
+    """[B] bool: whether each sequence's answer (and EOS) is the argmax at every answer position, teacher-forced;
+    logits [B (T - 1), V] of tokens [B, T], ans the answer mask [B, T - 1]."""
+    hit = (logits.argmax(-1).view(ans.shape) == tokens[:, 1:]) | ~ans
+    return hit.all(dim=1)
+
+
 def lerope_at(recipe: Recipe, stage: Stage, step: int) -> torch.Tensor:
     """LeRoPE alpha for step `step` of a stage's first round that sets one: `stage.lerope_alpha`, reached linearly
     over `stage.lerope_ramp` steps from the latest earlier stage's setting (0 if none). Later rounds and stages
@@ -303,8 +310,7 @@ def train_round(model: ML4, stage: Stage, data: PasskeyBatches, recipe: Recipe, 
         opt.step()
         keep_ssmax_sane(model)
         with torch.no_grad():
-            hit = (logits.argmax(-1).view(ans.shape) == tokens[:, 1:]) | ~ans
-            exacts.append(hit.all(dim=1).float().mean().item())
+            exacts.append(answer_hits(logits, tokens, ans).float().mean().item())
         rec = {"stage": stage.name, "step": step, "T": tokens.shape[1], "B": tokens.shape[0],
                "loss": round(loss.item(), 4), "answer_ce": round(ans_ce.item(), 4),
                "index_kl": round(index_kl.item(), 4), "answer_exact": exacts[-1], "s": round(time.time() - at.t0, 1)}
