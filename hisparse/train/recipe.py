@@ -62,8 +62,9 @@ class Stage:
     threads: int = 1                 # torch threads: part of the recipe, because the thread count changes how
                                      # torch splits reductions, hence the weights (the long stages ran on 2)
     gate: Gate | None = None         # None: one round of `steps`
-    lerope_alpha: tuple[float, ...] | None = None   # LeRoPE alpha [dR/2] set as the stage starts (a LongRoPE-style
-                                     # rescale of the slowest pairs), then kept: training never updates alpha
+    lerope_alpha: tuple[float, ...] | None = None   # LeRoPE alpha [dR/2] set by each step of the stage's first
+                                     # round (a LongRoPE-style rescale of the slowest pairs), then kept from its
+                                     # checkpoint: training never updates alpha
     lerope_ramp: int = 0             # > 0: alpha moves linearly over the first round's first `lerope_ramp` steps,
                                      # from the previous stages' setting to `lerope_alpha`, so the model follows it
 
