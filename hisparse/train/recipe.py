@@ -92,7 +92,7 @@ LONG_STAGES: dict[str, tuple[Stage, ...]] = {
         Stage("sparse-128k", 30, 32768, 131072, True, 2e-4, warmup=4, topk_only=True, threads=2,
               gate=Gate(0.875, 8, 15)),
     ),
-    # the slow pairs stretched step by step at up to 16k, settled at up to 40k, then 128k and its upper half
+    # the slow pairs stretched step by step at up to 16k, settled at up to 40k, then 128k and its longer part
     "lerope-ramp": (
         Stage("ramp-16k", 60, 2048, 16384, True, 2e-4, warmup=6, topk_only=True, threads=2,
               gate=Gate(0.875, 8, 20), lerope_alpha=RAMPED_ALPHA, lerope_ramp=30),
@@ -100,7 +100,7 @@ LONG_STAGES: dict[str, tuple[Stage, ...]] = {
               gate=Gate(0.875, 8, 15)),
         Stage("ramped-128k", 30, 32768, 131072, True, 2e-4, warmup=4, topk_only=True, threads=2,
               gate=Gate(0.875, 8, 15)),
-        # the upper half of 128k (log-uniform 48k-128k characters), where ramped-128k's misses are
+        # the longer part of 128k (48k-128k characters, log-uniform), where ramped-128k's misses are
         Stage("held-128k", 30, 49152, 131072, True, 2e-4, warmup=4, topk_only=True, threads=2,
               gate=Gate(0.875, 8, 15)),
     ),
