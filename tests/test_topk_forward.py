@@ -64,6 +64,38 @@ def test_candidates_are_selection_plus_recent(seed: int, monkeypatch: pytest.Mon
                 assert len(scored) == len(set(scored))
 
 
+def test_widened_owner_selects_its_recent_keys_from_a_position_on(seed: int, monkeypatch: pytest.MonkeyPatch):
+    """The `widened` ablation: the one owner's queries from position p on attend over Sel(t) plus the recent keys
+    (selected == scored there), every other query and owner keeps Sel(t), and logits before p are unchanged."""
+    model = tiny_model(seed)
+    T, W, p = 40, 6, 25
+    tokens = random_tokens(T, model.cfg.vocab_size, seed + 3)[None]
+    owner = model.cfg.index_owner_layers[0]
+    plain, _ = topk_forward(model, tokens, W)
+    seen = []
+    real = tf.candidates
+
+    def recording(*args):
+        seen.append(real(*args))
+        return seen[-1]
+    monkeypatch.setattr(tf, "candidates", recording)
+    logits, _ = topk_forward(model, tokens, W, widened={owner: p})
+    widened_any = False
+    for cand, layer in zip(seen, model.cfg.index_owner_layers):
+        same = (cand.selected == cand.scored).all(dim=1)
+        k = cand.selected.shape[1] - W
+        assert torch.equal(cand.selected[:, :k], cand.scored[:, :k])          # Sel(t) itself is always read
+        extra = cand.selected[:, k:]
+        if layer == owner:
+            assert same[p:].all() and not extra[:p].any()
+            widened_any |= bool((~same[:p]).any())
+        else:
+            assert not extra.any()
+    assert widened_any, "no query before p had a recent key outside Sel(t): the test cannot tell"
+    assert torch.allclose(logits[:p], plain[:p], rtol=1e-9, atol=1e-9)      # fp64: rounding-level at most
+    assert not torch.allclose(logits[p:], plain[p:], rtol=1e-6, atol=1e-6)
+
+
 def test_topk_indexer_loss_trains_only_the_indexers(seed: int):
     model = tiny_model(seed, dtype=torch.float32, sharp=False).train()
     tokens = random_tokens(30, model.cfg.vocab_size, seed)[None]

@@ -52,6 +52,7 @@ class TopkBatchState:
     positions: torch.Tensor                 # [B T]
     cos: torch.Tensor                       # [B T, dR/2]
     sin: torch.Tensor
+    widened: dict[int, int] = field(default_factory=dict)   # owner layer -> first query that reads recent keys too
     latents: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)  # c, k_rope
     candidates: dict[int, Candidates] = field(default_factory=dict)      # owner layer -> its candidates
     index_losses: list[torch.Tensor] = field(default_factory=list)
@@ -60,12 +61,14 @@ class TopkBatchState:
 QUERY_CHUNK = 8192      # queries per checkpointed piece: ~0.5 GB of gathered rows at K = 128, r = 64 (fp32)
 
 
-def topk_forward(model: ML4, tokens: torch.Tensor, recent: int, query_chunk: int = QUERY_CHUNK
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_forward(model: ML4, tokens: torch.Tensor, recent: int, query_chunk: int = QUERY_CHUNK,
+                 widened: dict[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """tokens [B, T] -> (logits [B T, V], mean indexer KL over the owning layers); attention over Sel(t) only
-    (each indexer's own top-k, as at inference), `query_chunk` queries at a time."""
+    (each indexer's own top-k, as at inference), `query_chunk` queries at a time. `widened` is an ablation that
+    training never sets: for owner layer l -> position p, queries at positions >= p of that owner (and its sharers)
+    attend over Sel(t) plus the `recent` newest keys, i.e. over all of C_t."""
     B, T = tokens.shape
-    st = TopkBatchState(B, T, recent, query_chunk, *sequence_rope(model, tokens))
+    st = TopkBatchState(B, T, recent, query_chunk, *sequence_rope(model, tokens), widened=dict(widened or {}))
     return layers_forward(model, tokens, st, attention_forward), torch.stack(st.index_losses).mean()
 
 
@@ -77,7 +80,7 @@ def attention_forward(block: Block, x: torch.Tensor, st: TopkBatchState) -> torc
     qi = ki = wi = None
     if mla.indexer is not None:
         qi, ki, wi = mla.indexer.project(x.detach(), st.positions, st.cos, st.sin)  # [N, HI, dI], [N, dI], [N, HI]
-        st.candidates[spec.index] = candidates(mla.indexer, qi, ki, wi, st)
+        st.candidates[spec.index] = candidates(mla.indexer, qi, ki, wi, st, st.widened.get(spec.index))
     cand = st.candidates[spec.index_source]
     w_kvb = mla.wkv_b.weight.view(H, dN + cfg.v_head_dim, cfg.kv_lora_rank)
     q_lat = torch.einsum("nhd,hdc->nhc", q_nope, w_kvb[:, :dN])                      # [N, H, r]
@@ -121,9 +124,10 @@ def gather(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return x.index_select(0, rows.flatten()).view(*rows.shape, x.shape[-1])
 
 
-def candidates(indexer: Indexer, qi: torch.Tensor, ki: torch.Tensor, wi: torch.Tensor, st: TopkBatchState
-               ) -> Candidates:
-    """Sel(t) by the inference path (per sequence), then the `recent` newest keys not already in it."""
+def candidates(indexer: Indexer, qi: torch.Tensor, ki: torch.Tensor, wi: torch.Tensor, st: TopkBatchState,
+               widen_from: int | None = None) -> Candidates:
+    """Sel(t) by the inference path (per sequence), then the `recent` newest keys not already in it (selected
+    too at positions >= `widen_from`, the ablation of `topk_forward`'s `widened`)."""
     B, T = st.B, st.T
     t = torch.arange(T, device=qi.device)
     with torch.no_grad():
@@ -135,7 +139,8 @@ def candidates(indexer: Indexer, qi: torch.Tensor, ki: torch.Tensor, wi: torch.T
         at = torch.searchsorted(padded, near.clamp(min=0)).clamp(max=sel.shape[1] - 1)
         fresh = (near >= 0) & (padded.gather(1, at) != near)
         keys = torch.cat((sel, near), dim=1)                                                     # [B T, K]
-        selected = torch.cat((sel >= 0, torch.zeros_like(fresh)), dim=1)
+        widen = fresh & (near[:, :1] >= widen_from) if widen_from is not None else torch.zeros_like(fresh)
+        selected = torch.cat((sel >= 0, widen), dim=1)
         scored = torch.cat((sel >= 0, fresh), dim=1)
         offset = (torch.arange(B * T, device=qi.device) // T * T)[:, None]
         rows = keys.clamp(min=0) + offset

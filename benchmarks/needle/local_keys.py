@@ -1,0 +1,90 @@
+"""Which indexer owner's missing nearby keys break a needle model's copy at long prompts: teacher-forced answers on
+the needle benchmark's prompts, plain and with one owner's `recent` newest keys added to its Sel(t) at the answer
+queries (`topk_forward`'s `widened` ablation).
+
+    python -m benchmarks.needle.local_keys --model checkpoints/needle-ml4-long --tokens 131072 \\
+        --cells 0:0,0:100,1:25,1:75,3:25,3:100,0:25,0:50 --layers 2 --out FILE.json
+
+A cell is seed:depth% of `python -m benchmarks.needle --haystack synthetic --api completions` with the model's
+tokenizer: the same prompt and passkey, so a plain answer here is the one `hisparse serve` gives (greedy decoding
+is exact iff every answer token is the argmax after the right prefix, which is what teacher forcing checks). The
+margin is the smallest, over the answer tokens, of the right token's logit minus the best other one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from hisparse.model.weights import load_model
+from hisparse.train.passkey import SyntheticHaystack, answer
+from hisparse.train.recipe import Recipe
+from hisparse.train.topk_forward import topk_forward
+
+from .harness import needle_value
+from .prompt import PromptBuilder
+from .tokens import LocalCounter
+
+
+def answer_check(model, tokens: list[int], n: int, widened: dict[int, int], tok) -> dict:
+    """Teacher-forced prediction of tokens[n:] after the prompt tokens[:n], with `widened` owners."""
+    with torch.no_grad():
+        logits, _ = topk_forward(model, torch.tensor([tokens[:-1]]), Recipe().kl_recent_keys, widened=widened)
+    lg, want = logits[n - 1:], torch.tensor(tokens[n:])
+    right = lg.gather(1, want[:, None])[:, 0]
+    other = lg.scatter(1, want[:, None], float("-inf")).max(1).values
+    pred = lg.argmax(-1)
+    return {"answer": tok.decode(pred.tolist()), "exact": bool((pred == want).all()),
+            "margin": round((right - other).min().item(), 3)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="checkpoints/needle-ml4-long")
+    ap.add_argument("--tokens", type=int, default=131072, help="prompt tokens (the needle benchmark's length)")
+    ap.add_argument("--cells", default="0:0,0:100", help="seed:depth%% pairs, comma-separated")
+    ap.add_argument("--layers", default="2", help="indexer owner layers to widen, one at a time")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    cells = [(int(s), int(d)) for s, d in (c.split(":") for c in args.cells.split(","))]
+    layers = [int(x) for x in args.layers.split(",")]
+    model = load_model(args.model).eval()
+    if not set(layers) <= set(model.cfg.index_owner_layers):
+        raise SystemExit(f"--layers: {layers} are not all indexer owners {model.cfg.index_owner_layers}")
+    counter = LocalCounter(args.model)
+    tok = counter.text
+    rows, t0 = [], time.perf_counter()
+    bar = tqdm(total=len(cells) * (1 + len(layers)), desc="local keys", unit="forward")
+    for seed, depth in cells:
+        value = needle_value(seed, args.tokens, depth / 100)
+        p = PromptBuilder(SyntheticHaystack(seed), counter, "completions").build(args.tokens, depth / 100, value)
+        prompt = counter.encode("completions", p.content)
+        tokens = prompt + tok.encode(answer(value), bos=False, eos=False) + [tok.eos_id]
+        row = {"seed": seed, "depth_pct": depth, "value": value, "prompt_tokens": len(prompt),
+               "plain": answer_check(model, tokens, len(prompt), {}, tok)}
+        bar.update()
+        for layer in layers:
+            row[f"recent_keys_at_owner_{layer}"] = answer_check(model, tokens, len(prompt), {layer: len(prompt) - 1},
+                                                                tok)
+            bar.update()
+        rows.append(row)
+        tqdm.write(json.dumps(row))
+    bar.close()
+    result = {"benchmark": "needle.local_keys", "model": args.model, "tokens": args.tokens,
+              "recent_keys": Recipe().kl_recent_keys, "threads": args.threads,
+              "command": "python -m benchmarks.needle.local_keys " + " ".join(argv or __import__("sys").argv[1:]),
+              "wall_s": round(time.perf_counter() - t0, 1), "cells": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
