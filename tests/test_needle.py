@@ -275,3 +275,36 @@ def test_prefill_watch_follows_a_real_servers_prefill(servers: dict[str, str]) -
         assert watch.eta("base", 0) == 0.0
     finally:
         watch.close()
+
+
+def test_local_keys_plain_answers_are_the_greedy_decode(tmp_path: Path) -> None:
+    """benchmarks.needle.local_keys' plain rows: exact iff greedy decoding (reference KV) answers the passkey, the
+    teacher-forced answer agrees with the greedy one up to its first wrong token, and the margin's sign says which."""
+    import torch
+    from benchmarks.needle import local_keys
+    from benchmarks.needle.harness import needle_value
+    from hisparse.engine.generate import greedy_generate
+    from hisparse.kv.settings import KVSettings
+    from hisparse.model.weights import load_model
+    ckpt = ROOT / "checkpoints" / "needle-ml4-long"
+    res = local_keys.main(["--model", str(ckpt), "--tokens", "1536", "--cells", "0:50,5:0", "--layers", "2",
+                           "--threads", "1", "--out", str(tmp_path / "lk.json")])
+    assert json.loads((tmp_path / "lk.json").read_text())["cells"] == res["cells"]
+    torch.set_num_threads(1)
+    model, counter = load_model(ckpt), LocalCounter(ckpt)
+    for row in res["cells"]:
+        depth = row["depth_pct"] / 100
+        assert row["value"] == needle_value(row["seed"], 1536, depth)
+        p = PromptBuilder(SyntheticHaystack(row["seed"]), counter, "completions").build(1536, depth, row["value"])
+        ids = counter.encode("completions", p.content)
+        gen = greedy_generate(model, KVSettings(offload="none").build(model.cfg), ids, 10,
+                              stop_ids=(counter.text.eos_id,)).tokens
+        want = counter.text.encode(" " + row["value"] + ".", bos=False, eos=False) + [counter.text.eos_id]
+        plain = row["plain"]
+        assert plain["exact"] == (gen[:len(want)] == want) == (plain["margin"] > 0)
+        first = next((i for i, (g, w) in enumerate(zip(gen, want)) if g != w), len(want) - 1)
+        assert plain["answer"].startswith(counter.text.decode(gen[:first + 1]))
+        wrong = counter.text.encode(" " + str(int(row["value"]) ^ 1) + ".", bos=False, eos=False)
+        forced = local_keys.answer_check(model, ids + wrong + [counter.text.eos_id], len(ids), {}, counter.text)
+        assert not forced["exact"] and forced["margin"] < 0     # a passkey the prompt does not hold is no answer
+        assert set(row) >= {"recent_keys_at_owner_2"}

@@ -31,6 +31,17 @@ def test_topk_forward_is_the_inference_math(seed: int, recent: int):
     assert torch.isfinite(kl) and kl >= 0
 
 
+def recorded_candidates(monkeypatch: pytest.MonkeyPatch) -> list[tf.Candidates]:
+    """The list that every later `candidates` call of topk_forward appends its result to."""
+    seen, real = [], tf.candidates
+
+    def recording(*args):
+        seen.append(real(*args))
+        return seen[-1]
+    monkeypatch.setattr(tf, "candidates", recording)
+    return seen
+
+
 def test_candidates_are_selection_plus_recent(seed: int, monkeypatch: pytest.MonkeyPatch):
     """Per owner and query: `selected` is exactly the inference Sel(t), `scored` is Sel(t) ∪ (t - W, t], each
     key once, and rows point into the query's own sequence."""
@@ -39,13 +50,7 @@ def test_candidates_are_selection_plus_recent(seed: int, monkeypatch: pytest.Mon
     tokens = torch.stack([random_tokens(T, model.cfg.vocab_size, seed + 7),
                           random_tokens(T, model.cfg.vocab_size, seed)])
     traces = [full_forward(model, tokens[b])[1] for b in range(2)]
-    seen = []
-    real = tf.candidates
-
-    def recording(*args):
-        seen.append(real(*args))
-        return seen[-1]
-    monkeypatch.setattr(tf, "candidates", recording)
+    seen = recorded_candidates(monkeypatch)
     topk_forward(model, tokens, W)
     owners = model.cfg.index_owner_layers
     assert len(seen) == len(owners)
@@ -72,13 +77,7 @@ def test_widened_owner_selects_its_recent_keys_from_a_position_on(seed: int, mon
     tokens = random_tokens(T, model.cfg.vocab_size, seed + 3)[None]
     owner = model.cfg.index_owner_layers[0]
     plain, _ = topk_forward(model, tokens, W)
-    seen = []
-    real = tf.candidates
-
-    def recording(*args):
-        seen.append(real(*args))
-        return seen[-1]
-    monkeypatch.setattr(tf, "candidates", recording)
+    seen = recorded_candidates(monkeypatch)
     logits, _ = topk_forward(model, tokens, W, widened={owner: p})
     widened_any = False
     for cand, layer in zip(seen, model.cfg.index_owner_layers):
