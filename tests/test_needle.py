@@ -293,10 +293,8 @@ def test_local_keys_plain_answers_are_the_greedy_decode(tmp_path: Path) -> None:
     torch.set_num_threads(1)
     model, counter = load_model(ckpt), LocalCounter(ckpt)
     for row in res["cells"]:
-        depth = row["depth_pct"] / 100
-        assert row["value"] == needle_value(row["seed"], 1536, depth)
-        p = PromptBuilder(SyntheticHaystack(row["seed"]), counter, "completions").build(1536, depth, row["value"])
-        ids = counter.encode("completions", p.content)
+        ids, value = local_keys.cell_prompt(counter, row["seed"], 1536, row["depth_pct"])
+        assert row["value"] == value == needle_value(row["seed"], 1536, row["depth_pct"] / 100)
         gen = greedy_generate(model, KVSettings(offload="none").build(model.cfg), ids, 10,
                               stop_ids=(counter.text.eos_id,)).tokens
         want = counter.text.encode(" " + row["value"] + ".", bos=False, eos=False) + [counter.text.eos_id]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -43,6 +44,13 @@ def answer_check(model, tokens: list[int], n: int, widened: dict[int, int], tok)
             "margin": round((right - other).min().item(), 3)}
 
 
+def cell_prompt(counter: LocalCounter, seed: int, tokens: int, depth_pct: int) -> tuple[list[int], str]:
+    """The prompt ids and passkey of one needle-benchmark cell (synthetic haystack, completions API)."""
+    value = needle_value(seed, tokens, depth_pct / 100)
+    p = PromptBuilder(SyntheticHaystack(seed), counter, "completions").build(tokens, depth_pct / 100, value)
+    return counter.encode("completions", p.content), value
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="checkpoints/needle-ml4-long")
@@ -63,9 +71,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows, t0 = [], time.perf_counter()
     bar = tqdm(total=len(cells) * (1 + len(layers)), desc="local keys", unit="forward")
     for seed, depth in cells:
-        value = needle_value(seed, args.tokens, depth / 100)
-        p = PromptBuilder(SyntheticHaystack(seed), counter, "completions").build(args.tokens, depth / 100, value)
-        prompt = counter.encode("completions", p.content)
+        prompt, value = cell_prompt(counter, seed, args.tokens, depth)
         tokens = prompt + tok.encode(answer(value), bos=False, eos=False) + [tok.eos_id]
         row = {"seed": seed, "depth_pct": depth, "value": value, "prompt_tokens": len(prompt),
                "plain": answer_check(model, tokens, len(prompt), {}, tok)}
@@ -79,7 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
     bar.close()
     result = {"benchmark": "needle.local_keys", "model": args.model, "tokens": args.tokens,
               "recent_keys": Recipe().kl_recent_keys, "threads": args.threads,
-              "command": "python -m benchmarks.needle.local_keys " + " ".join(argv or __import__("sys").argv[1:]),
+              "command": "python -m benchmarks.needle.local_keys " + " ".join(argv or sys.argv[1:]),
               "wall_s": round(time.perf_counter() - t0, 1), "cells": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
