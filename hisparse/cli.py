@@ -132,11 +132,12 @@ def cmd_logits(args: argparse.Namespace) -> None:
     from .core.batch import Segment
     from .kv.resident import ResidentKV
     from .model.weights import load_model
-    model = load_model(model_dir(args.model, tokenizer=False, builtin_note=False), device=args.device)
+    dtype = compute_dtype(args)
+    model = load_model(model_dir(args.model, tokenizer=False, builtin_note=False), device=args.device, dtype=dtype)
     ids = _ids(args.prompt_ids, model.cfg.vocab_size)
-    kv = ResidentKV(model.cfg, layout=args.kv_layout, device=args.device, index_cache=args.index_cache)
+    kv = ResidentKV(model.cfg, layout=args.kv_layout, device=args.device, dtype=dtype, index_cache=args.index_cache)
     logits = model(torch.tensor(ids, device=args.device), [Segment(0, 0, len(ids))], kv)
-    np.save(args.out, logits.float().cpu().numpy())
+    np.save(args.out, logits.cpu().numpy() if dtype == torch.float64 else logits.float().cpu().numpy())
     print(f"wrote logits {tuple(logits.shape)} to {args.out}")
 
 
@@ -198,14 +199,15 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
 
 def add_logits(sub: argparse._SubParsersAction) -> None:
     """`logits`: the prompt ids, the output file and the KV row format."""
-    p = sub.add_parser("logits", help="full-forward fp32 logits [T, V] of a prompt to a .npy file")
+    p = sub.add_parser("logits", help="full-forward logits [T, V] of a prompt to a .npy file (fp32; fp64 under "
+                                      "--dtype float64)")
     p.add_argument("--model", default=None, help="checkpoint dir (default: the built-in tiny checkpoint)")
     p.add_argument("--prompt-ids", required=True, help="prompt as comma-separated token ids")
     p.add_argument("--out", required=True, help=".npy file to write")
     p.add_argument("--kv-layout", default=None, choices=LAYOUTS,
                    help="store the KV in this row format, as `serve` does (default: unquantised)")
     KVSettings.add_args(p, ["index_cache"])
-    p.add_argument("--device", default="cpu", help="compute device (default: %(default)s)")
+    add_runtime_args(p)
     p.set_defaults(fn=cmd_logits)
 
 
