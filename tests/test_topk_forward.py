@@ -28,7 +28,23 @@ def test_topk_forward_is_the_inference_math(seed: int, recent: int):
     assert torch.allclose(logits, torch.cat(refs), rtol=1e-9, atol=1e-9), (logits - torch.cat(refs)).abs().max()
     masked, _ = train_forward(model, tokens, model.cfg.index_topk)
     assert torch.allclose(logits, masked, rtol=1e-9, atol=1e-9)
-    assert torch.isfinite(kl) and kl >= 0
+    assert kl.shape == (len(model.cfg.index_owner_layers), 2 * T) and torch.isfinite(kl).all() and (kl >= 0).all()
+
+
+def test_each_querys_indexer_kl_is_its_own(seed: int):
+    """The per-query KL [owners, B T] a trainer weights by query (a needle's answer above the rest): a query's
+    entry is the same in a batch as with its sequence alone, and it trains the indexers through that query only
+    (a query before a changed token keeps its KL)."""
+    model = tiny_model(seed)
+    T = 40
+    a, b = random_tokens(T, model.cfg.vocab_size, seed), random_tokens(T, model.cfg.vocab_size, seed + 1)
+    _, both = topk_forward(model, torch.stack([a, b]), 5)
+    _, alone = topk_forward(model, b[None], 5)
+    assert torch.allclose(both[:, T:], alone, rtol=1e-12, atol=1e-12)
+    changed = b.clone()
+    changed[30] = (b[30] + 1) % model.cfg.vocab_size
+    _, after = topk_forward(model, changed[None], 5)
+    assert torch.allclose(after[:, :30], alone[:, :30], rtol=1e-12, atol=1e-12) and not torch.allclose(after[:, 30:], alone[:, 30:])
 
 
 def recorded_candidates(monkeypatch: pytest.MonkeyPatch) -> list[tf.Candidates]:
@@ -99,7 +115,7 @@ def test_topk_indexer_loss_trains_only_the_indexers(seed: int):
     model = tiny_model(seed, dtype=torch.float32, sharp=False).train()
     tokens = random_tokens(30, model.cfg.vocab_size, seed)[None]
     logits, kl = topk_forward(model, tokens, 4)
-    kl.backward(retain_graph=True)
+    kl.mean().backward(retain_graph=True)
     indexer = [p.grad for n, p in model.named_parameters() if ".indexer." in n]
     assert any(g is not None and g.abs().sum() > 0 for g in indexer)
     assert all(p.grad is None or p.grad.abs().sum() == 0 for n, p in model.named_parameters() if ".indexer." not in n)
@@ -121,7 +137,7 @@ def test_query_chunks_change_no_value(seed: int, chunk: int):
     def run(query_chunk: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         model.zero_grad(set_to_none=True)
         logits, kl = topk_forward(model, tokens, 4, query_chunk)
-        (F.cross_entropy(logits, tokens.flatten()) + kl).backward()
+        (F.cross_entropy(logits, tokens.flatten()) + kl.mean()).backward()
         return logits.detach(), kl.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
                                                if p.grad is not None}
 

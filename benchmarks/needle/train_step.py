@@ -37,7 +37,8 @@ def one_step(model_dir: Path, chars: int, chunk: int, threads: int) -> dict:
     stage = Stage("bench", 1, chars, chars, True, 0.0, topk_only=True)
     tokens, ans, valid = PasskeyBatches(model_dir, 0).batch(stage, 1)
     t0 = time.perf_counter()
-    logits, index_kl = topk_forward(model, tokens[:, :-1], recipe.kl_recent_keys, chunk or tokens.shape[1])
+    logits, query_kl = topk_forward(model, tokens[:, :-1], recipe.kl_recent_keys, chunk or tokens.shape[1])
+    index_kl = query_kl.mean(1).mean()
     ce = F.cross_entropy(logits, tokens[:, 1:].flatten(), reduction="none").view(ans.shape)
     loss = ce[valid].mean() + recipe.answer_weight * ce[ans].mean() + recipe.index_weight * index_kl
     t1 = time.perf_counter()

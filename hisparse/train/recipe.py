@@ -67,6 +67,8 @@ class Stage:
                                      # checkpoint: training never updates alpha
     lerope_ramp: int = 0             # > 0: alpha moves linearly over the first round's first `lerope_ramp` steps,
                                      # from the previous stages' setting to `lerope_alpha`, so the model follows it
+    answer_kl: float = 0.0           # topk_only: weight of the answer queries' mean indexer KL, added to the
+                                     # all-query mean (which gives the ~10 answer queries of a 128k sequence ~1e-4)
 
 
 FIRST_STAGES = (
@@ -103,6 +105,11 @@ LONG_STAGES: dict[str, tuple[Stage, ...]] = {
         # the longer part of 128k (48k-128k characters, log-uniform), where ramped-128k's misses are
         Stage("held-128k", 30, 49152, 131072, True, 2e-4, warmup=4, topk_only=True, threads=2,
               gate=Gate(0.875, 8, 15)),
+        # at 128k the answer queries' local indexer (layer 2) fills its top-k with far keys and drops the newest
+        # ones the copy needs (docs/needle-model.md, "The missing newest keys are the cause"): their indexer KL
+        # weighted as much as all other queries together
+        Stage("answer-128k", 24, 98304, 139264, True, 1.5e-4, warmup=3, topk_only=True, threads=2,
+              gate=Gate(0.875, 8, 12), answer_kl=1.0),
     ),
 }
 

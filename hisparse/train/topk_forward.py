@@ -12,7 +12,8 @@ layer's own attention distribution over C_t averaged over heads, detached, and t
 input. DeepSeek-V3.2 takes C_t = Sel(t); here C_t = Sel(t) plus the `recent` newest keys (t - recent, t], so a
 nearby key that far-away look-alikes crowded out of Sel(t) still pulls the indexer back up (at long lengths that
 crowding, not the needle, is what breaks). The model's attention itself reads Sel(t) only, as at inference.
-Sharers attend over their owner's Sel(t).
+Sharers attend over their owner's Sel(t). The KL comes back per query, because the few queries that copy a needle
+are where a long prompt's crowding breaks an answer, and a mean over all T queries gives them ~1e-4 of the weight.
 
 Memory: what a query reads (its K gathered latent rows, rope keys and indexer keys, and the logits over them)
 is computed for `query_chunk` queries at a time under activation checkpointing, so the autograd graph keeps only
@@ -55,7 +56,7 @@ class TopkBatchState:
     widened: dict[int, int] = field(default_factory=dict)   # owner layer -> first query that reads recent keys too
     latents: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)  # c, k_rope
     candidates: dict[int, Candidates] = field(default_factory=dict)      # owner layer -> its candidates
-    index_losses: list[torch.Tensor] = field(default_factory=list)
+    index_losses: list[torch.Tensor] = field(default_factory=list)      # per owner: each query's KL [B T]
 
 
 QUERY_CHUNK = 8192      # queries per checkpointed piece: ~0.5 GB of gathered rows at K = 128, r = 64 (fp32)
@@ -63,13 +64,14 @@ QUERY_CHUNK = 8192      # queries per checkpointed piece: ~0.5 GB of gathered ro
 
 def topk_forward(model: ML4, tokens: torch.Tensor, recent: int, query_chunk: int = QUERY_CHUNK,
                  widened: dict[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """tokens [B, T] -> (logits [B T, V], mean indexer KL over the owning layers); attention over Sel(t) only
+    """tokens [B, T] -> (logits [B T, V], each owning layer's indexer KL per query [L, B T], so a caller can
+    weight some queries (a needle's answer) above the rest); attention over Sel(t) only
     (each indexer's own top-k, as at inference), `query_chunk` queries at a time. `widened` is an ablation that
     training never sets: for owner layer l -> position p, queries at positions >= p of that owner (and its sharers)
     attend over Sel(t) plus the `recent` newest keys, i.e. over all of C_t."""
     B, T = tokens.shape
     st = TopkBatchState(B, T, recent, query_chunk, *sequence_rope(model, tokens), widened=dict(widened or {}))
-    return layers_forward(model, tokens, st, attention_forward), torch.stack(st.index_losses).mean()
+    return layers_forward(model, tokens, st, attention_forward), torch.stack(st.index_losses)
 
 
 def attention_forward(block: Block, x: torch.Tensor, st: TopkBatchState) -> torch.Tensor:   # x [B T, D]
@@ -94,7 +96,7 @@ def attention_forward(block: Block, x: torch.Tensor, st: TopkBatchState) -> torc
         outs.append(o)
         kls.append(kl)
     if mla.indexer is not None:
-        st.index_losses.append(torch.cat(kls).mean())
+        st.index_losses.append(torch.cat(kls))
     o = torch.einsum("nhc,hdc->nhd", torch.cat(outs), w_kvb[:, dN:])                 # [N, H, dV]
     return mla.wo(o.reshape(N, -1))
 

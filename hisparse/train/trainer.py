@@ -298,7 +298,8 @@ def train_round(model: ML4, stage: Stage, data: PasskeyBatches, recipe: Recipe, 
                 model.lerope.alpha.copy_(lerope_at(recipe, stage, step))
         tokens, ans, valid = data.batch(stage, recipe.tokens_per_batch)
         if stage.topk_only:
-            logits, index_kl = topk_forward(model, tokens[:, :-1], recipe.kl_recent_keys)
+            logits, query_kl = topk_forward(model, tokens[:, :-1], recipe.kl_recent_keys)
+            index_kl = query_kl.mean(1).mean() + stage.answer_kl * query_kl[:, ans.flatten()].mean()
         else:
             logits, index_kl = train_forward(model, tokens[:, :-1], index_topk)
         ce = F.cross_entropy(logits, tokens[:, 1:].flatten(), reduction="none").view(ans.shape)
