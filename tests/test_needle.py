@@ -306,3 +306,6 @@ def test_local_keys_plain_answers_are_the_greedy_decode(tmp_path: Path) -> None:
         forced = local_keys.answer_check(model, ids + wrong + [counter.text.eos_id], len(ids), {}, counter.text)
         assert not forced["exact"] and forced["margin"] < 0     # a passkey the prompt does not hold is no answer
         assert set(row) >= {"recent_keys_at_owner_2"}
+        missing = plain["newest_8_missing"]          # per owner, at the answer and at the prompt's queries
+        assert {k: set(v) for k, v in missing.items()} == {w: {"0", "1", "2", "3"} for w in ("answer", "prompt")}
+        assert all(0 <= x <= 8 for v in missing.values() for x in v.values())

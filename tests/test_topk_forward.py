@@ -60,17 +60,19 @@ def recorded_candidates(monkeypatch: pytest.MonkeyPatch) -> list[tf.Candidates]:
 
 def test_candidates_are_selection_plus_recent(seed: int, monkeypatch: pytest.MonkeyPatch):
     """Per owner and query: `selected` is exactly the inference Sel(t), `scored` is Sel(t) ∪ (t - W, t], each
-    key once, and rows point into the query's own sequence."""
+    key once, rows point into the query's own sequence, and newest_missing counts the newest keys not in Sel(t).
+    `kept` receives the same candidates."""
     model = tiny_model(seed)
     T, W = 40, 6
     tokens = torch.stack([random_tokens(T, model.cfg.vocab_size, seed + 7),
                           random_tokens(T, model.cfg.vocab_size, seed)])
     traces = [full_forward(model, tokens[b])[1] for b in range(2)]
-    seen = recorded_candidates(monkeypatch)
-    topk_forward(model, tokens, W)
+    seen, kept = recorded_candidates(monkeypatch), {}
+    topk_forward(model, tokens, W, kept=kept)
     owners = model.cfg.index_owner_layers
-    assert len(seen) == len(owners)
+    assert len(seen) == len(owners) and list(kept) == owners and all(kept[o] is c for o, c in zip(owners, seen))
     for cand, layer in zip(seen, owners):
+        missing = tf.newest_missing(cand, W - 2)
         for b in range(2):
             want = selection_sets(traces[b].selections[layer][0])
             for t in range(T):
@@ -83,6 +85,7 @@ def test_candidates_are_selection_plus_recent(seed: int, monkeypatch: pytest.Mon
                 assert sel == want[t], (layer, b, t)
                 assert sorted(scored) == sorted(set(want[t]) | set(range(max(0, t - W + 1), t + 1)))
                 assert len(scored) == len(set(scored))
+                assert missing[n] == len(set(range(max(0, t - W + 3), t + 1)) - set(want[t])), (layer, b, t)
 
 
 def test_widened_owner_selects_its_recent_keys_from_a_position_on(seed: int, monkeypatch: pytest.MonkeyPatch):

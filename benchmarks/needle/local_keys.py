@@ -25,23 +25,36 @@ from tqdm import tqdm
 from hisparse.model.weights import load_model
 from hisparse.train.passkey import SyntheticHaystack, answer
 from hisparse.train.recipe import Recipe
-from hisparse.train.topk_forward import topk_forward
+from hisparse.train.topk_forward import newest_missing, topk_forward
 
 from .harness import needle_value
 from .prompt import PromptBuilder
 from .tokens import LocalCounter
 
 
+NEWEST = 8   # the newest keys whose absence from Sel(t) a plain row reports
+
+
 def answer_check(model, tokens: list[int], n: int, widened: dict[int, int], tok) -> dict:
-    """Teacher-forced prediction of tokens[n:] after the prompt tokens[:n], with `widened` owners."""
+    """Teacher-forced prediction of tokens[n:] after the prompt tokens[:n], with `widened` owners; without any,
+    also each owner's mean count of its NEWEST newest keys missing from Sel(t), at the answer queries and at the
+    prompt's queries."""
+    kept = {}
     with torch.no_grad():
-        logits, _ = topk_forward(model, torch.tensor([tokens[:-1]]), Recipe().kl_recent_keys, widened=widened)
+        logits, _ = topk_forward(model, torch.tensor([tokens[:-1]]), Recipe().kl_recent_keys, widened=widened,
+                                 kept=kept)
     lg, want = logits[n - 1:], torch.tensor(tokens[n:])
     right = lg.gather(1, want[:, None])[:, 0]
     other = lg.scatter(1, want[:, None], float("-inf")).max(1).values
     pred = lg.argmax(-1)
-    return {"answer": tok.decode(pred.tolist()), "exact": bool((pred == want).all()),
-            "margin": round((right - other).min().item(), 3)}
+    row = {"answer": tok.decode(pred.tolist()), "exact": bool((pred == want).all()),
+           "margin": round((right - other).min().item(), 3)}
+    if not widened:
+        missing = {layer: newest_missing(c, NEWEST).float() for layer, c in kept.items()}
+        row[f"newest_{NEWEST}_missing"] = {
+            "answer": {str(layer): round(m[n - 1:].mean().item(), 2) for layer, m in missing.items()},
+            "prompt": {str(layer): round(m[:n - 1].mean().item(), 3) for layer, m in missing.items()}}
+    return row
 
 
 def cell_prompt(counter: LocalCounter, seed: int, tokens: int, depth_pct: int) -> tuple[list[int], str]:
@@ -56,13 +69,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--model", default="checkpoints/needle-ml4-long")
     ap.add_argument("--tokens", type=int, default=131072, help="prompt tokens (the needle benchmark's length)")
     ap.add_argument("--cells", default="0:0,0:100", help="seed:depth%% pairs, comma-separated")
-    ap.add_argument("--layers", default="2", help="indexer owner layers to widen, one at a time")
+    ap.add_argument("--layers", default="2", help="indexer owner layers to widen, one at a time ('': plain only)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     cells = [(int(s), int(d)) for s, d in (c.split(":") for c in args.cells.split(","))]
-    layers = [int(x) for x in args.layers.split(",")]
+    layers = [int(x) for x in args.layers.split(",") if x]
     model = load_model(args.model).eval()
     if not set(layers) <= set(model.cfg.index_owner_layers):
         raise SystemExit(f"--layers: {layers} are not all indexer owners {model.cfg.index_owner_layers}")

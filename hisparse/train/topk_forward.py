@@ -41,6 +41,7 @@ class Candidates:
     rows: torch.Tensor          # [B T, k + recent] row index into [B T] (own sequence start where unused)
     selected: torch.Tensor      # [B T, k + recent] bool: in Sel(t) (what attention reads)
     scored: torch.Tensor        # [B T, k + recent] bool: in C_t (what the indexer KL reads)
+    recent: int                 # the last `recent` columns are the keys t, t - 1, ..., t - recent + 1
 
 
 @dataclass
@@ -63,15 +64,20 @@ QUERY_CHUNK = 8192      # queries per checkpointed piece: ~0.5 GB of gathered ro
 
 
 def topk_forward(model: ML4, tokens: torch.Tensor, recent: int, query_chunk: int = QUERY_CHUNK,
-                 widened: dict[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 widened: dict[int, int] | None = None, kept: dict[int, Candidates] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """tokens [B, T] -> (logits [B T, V], each owning layer's indexer KL per query [L, B T], so a caller can
     weight some queries (a needle's answer) above the rest); attention over Sel(t) only
     (each indexer's own top-k, as at inference), `query_chunk` queries at a time. `widened` is an ablation that
     training never sets: for owner layer l -> position p, queries at positions >= p of that owner (and its sharers)
-    attend over Sel(t) plus the `recent` newest keys, i.e. over all of C_t."""
+    attend over Sel(t) plus the `recent` newest keys, i.e. over all of C_t. `kept`, if given, receives each
+    owner's candidates (for a benchmark to inspect)."""
     B, T = tokens.shape
     st = TopkBatchState(B, T, recent, query_chunk, *sequence_rope(model, tokens), widened=dict(widened or {}))
-    return layers_forward(model, tokens, st, attention_forward), torch.stack(st.index_losses)
+    logits = layers_forward(model, tokens, st, attention_forward)
+    if kept is not None:
+        kept.update(st.candidates)
+    return logits, torch.stack(st.index_losses)
 
 
 def attention_forward(block: Block, x: torch.Tensor, st: TopkBatchState) -> torch.Tensor:   # x [B T, D]
@@ -146,7 +152,14 @@ def candidates(indexer: Indexer, qi: torch.Tensor, ki: torch.Tensor, wi: torch.T
         scored = torch.cat((sel >= 0, fresh), dim=1)
         offset = (torch.arange(B * T, device=qi.device) // T * T)[:, None]
         rows = keys.clamp(min=0) + offset
-    return Candidates(rows, selected, scored)
+    return Candidates(rows, selected, scored, st.recent)
+
+
+def newest_missing(cand: Candidates, newest: int) -> torch.Tensor:
+    """How many of each query's `newest` keys (t - newest, t] are not in its Sel(t) -> [B T] (positions before
+    the sequence's start count as present); newest <= the forward's `recent`."""
+    recent = cand.scored[:, cand.scored.shape[1] - cand.recent:]     # keys t, t - 1, ...: scored iff not in Sel(t)
+    return recent[:, :newest].sum(1)
 
 
 def indexer_kl(indexer: Indexer, qi: torch.Tensor, ki: torch.Tensor, wi: torch.Tensor, rows: torch.Tensor,
