@@ -2,9 +2,10 @@
 plain sort (spec §3.6: score descending, ties by position ascending).
 
 The kernel must give exactly the torch path's selections (and scores), in every build (SIMD width, FMA filter on
-or off), including exact ties (integer-valued inputs, ReLU zeros, duplicated keys), near ties (keys ulps apart),
-rows that see fewer than k keys, -1 padding, fp32 and fp64, and bf16/fp16 activations (scored in fp32 on both
-paths, `score_dtype`). A model built on either path must produce bit-identical logits.
+or off, the bf16 filters: AMX tiles, VDPBF16PS), including exact ties (integer-valued inputs, ReLU zeros,
+duplicated keys), near ties (keys ulps apart), rows that see fewer than k keys, -1 padding, fp32 and fp64, and
+bf16/fp16 activations (scored in fp32 on both paths, `score_dtype`). A model built on either path must produce
+bit-identical logits.
 """
 
 from __future__ import annotations
@@ -16,13 +17,16 @@ from conftest import full_forward, random_tokens, tiny_model
 from hisparse.kv import scoring as indexer_module
 from hisparse.core.batch import ForwardTrace, Segment
 from hisparse.kv.scoring import index_scores, paged_topk, score_dtype, select_topk
-from hisparse.kv.kernels.indexer_topk import Build, fused_topk, fused_topk_paged, has_amx
+from hisparse.kv.kernels.indexer_topk import Build, fused_topk, fused_topk_paged, has_amx, has_dpbf16
 from hisparse.kv.resident import ResidentKV
 
 pytestmark = pytest.mark.usefixtures("single_thread")
-# the default (AMX tiles where the CPU has them, else the FMA filter), the FMA filter alone, 256-bit lanes, none
-BUILDS = [Build(), Build(amx=False), Build(vec_bytes=32), Build(filter=False)]
-BUILD_IDS = ["default", "fma-filter", "256bit", "unfiltered"]
+# every shape through the VDPBF16PS filter (where the CPU has AVX512_BF16)
+DPBF16_ALL = Build(amx=False, dpbf16_min_work=1)
+# the default (AMX tiles where the CPU has them, else VDPBF16PS where it has AVX512_BF16, else the FMA filter), the
+# FMA filter alone, VDPBF16PS for every shape, 256-bit lanes, none
+BUILDS = [Build(), Build(amx=False, dpbf16=False), DPBF16_ALL, Build(vec_bytes=32), Build(filter=False)]
+BUILD_IDS = ["default", "fma-filter", "dpbf16-all", "256bit", "unfiltered"]
 
 
 def random_case(g: torch.Generator, dtype: torch.dtype, kind: str, T: int, S: int, HI: int, dI: int
@@ -114,12 +118,97 @@ def test_tile_filter_is_used_exactly_where_the_cpu_has_it() -> None:
     """The default build filters with AMX tiles on a CPU that has them (so the tests above run that path) and not
     on one without; the builds without the tile filter never use it. Without /proc/cpuinfo (not Linux) the kernel
     is built without tiles (it asks Linux for the tile state), so it must not report them."""
-    try:
-        flags = next(ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")).split()
-    except (OSError, StopIteration):
-        flags = []
+    flags = cpu_flags()
     assert has_amx() == ("amx_bf16" in flags and "avx512f" in flags)
     assert not has_amx(Build(amx=False)) and not has_amx(Build(filter=False))
+
+
+def cpu_flags() -> list[str]:
+    """The CPU's feature flags (none without /proc/cpuinfo, as on other systems than Linux)."""
+    try:
+        return next(ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return []
+
+
+def bf16(x: torch.Tensor) -> torch.Tensor:
+    return x.bfloat16().float()
+
+
+def bf16_case(g: torch.Generator, kind: str, T: int, S: int, HI: int, dI: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 inputs for the bf16 filters (random_case's kinds, and): one for each part of their error bound
+    (filter_slack in indexer_topk.cpp), in which that part is all or most of the error near the threshold, so that
+    the part's absence makes the kernel select otherwise than the torch path:
+    'near-bf16-q' (near ties, q exact in bf16: the keys' rounding residual), 'near-bf16-keys' (near ties, keys
+    ulps from bf16 values: the queries' residual), 'exact-bf16' (q, keys in bf16, so products are exact; real
+    ties whose fp32 sums, taken in another order, are ulps apart: the fp32 sums), 'tiny-q' / 'tiny-keys' (q or
+    keys partly denormal in bf16, which the filter takes as 0), 'underflow' (normal bf16 inputs with denormal
+    products, which it flushes) and 'tiny-w' (denormal scores: the exact path's underflow)."""
+    if kind in ("normal", "near", "dup"):
+        return random_case(g, torch.float32, kind, T, S, HI, dI)
+    if kind in ("near-bf16-q", "near-bf16-keys"):
+        q, wr, keys, n_visible = random_case(g, torch.float32, "near", T, S, HI, dI)
+        if kind == "near-bf16-q":
+            return bf16(q), wr, keys, n_visible
+        return q, wr, bf16(keys) * (1 + torch.randint(-2, 3, keys.shape, generator=g) * 2.0 ** -23), n_visible
+    q, wr, keys, n_visible = random_case(g, torch.float32, "normal", T, S, HI, dI)
+    if kind == "exact-bf16":   # q equal on dims d and d + dI // 2, keys with those two dims swapped at random
+        h = dI // 2
+        scale = 2.0 ** torch.randint(-10, 11, (dI,), generator=g)   # magnitudes apart: cancelling sums
+        keys = bf16(keys * scale)[torch.randint(0, max(1, S // 16), (S,), generator=g)]
+        q = bf16(q * scale)
+        q[:, :, h:2 * h] = q[:, :, :h]
+        swap = torch.rand(S, h, generator=g) < 0.5
+        a, b = keys[:, :h].clone(), keys[:, h:2 * h].clone()
+        keys[:, :h], keys[:, h:2 * h] = torch.where(swap, b, a), torch.where(swap, a, b)
+        return q, wr.abs(), keys, n_visible
+    if kind == "tiny-q":       # keys large, so that the dropped products count
+        return bf16(q * 2.0 ** -124), wr, bf16(keys * 2.0 ** 20), n_visible
+    if kind == "tiny-keys":
+        return bf16(q * 2.0 ** 20), wr, bf16(keys * 2.0 ** -124), n_visible
+    if kind == "underflow":
+        return bf16(q * 2.0 ** -63), wr, bf16(keys * 2.0 ** -63), n_visible
+    if kind == "tiny-w":       # head weights of a few 2^-149 and dots multiples of 1/2: a head's term is often half
+        q, keys = (q * 1.5).round() / 2, (keys * 1.5).round()   # a denormal step, which an FMA rounds otherwise
+        return q, (wr * 2).round() * 2.0 ** -149, keys, n_visible
+    raise ValueError(kind)
+
+
+BF16_KINDS = ["normal", "near", "dup", "near-bf16-q", "near-bf16-keys", "exact-bf16", "tiny-q", "tiny-keys",
+              "underflow", "tiny-w"]
+
+
+@pytest.mark.parametrize("HI", [1, 2, 3, 4, 5, 8, 16, 32])
+@pytest.mark.parametrize("kind", BF16_KINDS)
+def test_dpbf16_filter_shapes(seed: int, HI: int, kind: str) -> None:
+    """The VDPBF16PS filter (every shape takes it in DPBF16_ALL): any head count (up to 4 heads a pass, the
+    positive heads first), odd and even dI (pairs zero-padded), 1 to 128, the last group of a row partly empty,
+    heaps that fill inside a block, causal limits inside a block, and a near-tie case for each part of its error
+    bound (bf16_case). Selections and scores are the torch path's; the default build (which takes the filter
+    from HI x dI = 32) too."""
+    if not has_dpbf16(DPBF16_ALL):
+        pytest.skip("the CPU has no AVX512_BF16 (or AVX-512), so the kernel is built without the VDPBF16PS filter")
+    g = torch.Generator().manual_seed(seed)
+    for dI in (1, 2, 3, 16, 31, 32, 33, 64, 128):
+        T, S = int(torch.randint(1, 40, (1,), generator=g)), int(torch.randint(300, 3000, (1,), generator=g))
+        k = int(torch.randint(1, 80, (1,), generator=g))
+        q, wr, keys, n_visible = bf16_case(g, kind, T, S, HI, dI)
+        want_cols, want_scores = torch_topk(q, wr, keys, n_visible, k)
+        for build in (DPBF16_ALL, Build()) if HI * dI >= 32 else (DPBF16_ALL,):
+            cols, scores = fused_topk(q, wr, keys, n_visible, k, with_scores=True, build=build)
+            case = f"T={T} S={S} HI={HI} dI={dI} k={k} {build}"
+            assert torch.equal(cols, want_cols), case
+            assert torch.equal(scores, want_scores), case
+
+
+def test_dpbf16_filter_is_used_exactly_where_the_cpu_has_it() -> None:
+    """Builds with AVX-512 lanes and filters have the VDPBF16PS filter on a CPU with AVX512_BF16 (so the tests
+    above run it) and not on one without; builds without it, the FMA filter or 512-bit lanes never do."""
+    flags = cpu_flags()
+    assert has_dpbf16(Build(amx=False)) == has_dpbf16() == ("avx512_bf16" in flags and "avx512f" in flags)
+    assert not has_dpbf16(Build(dpbf16=False)) and not has_dpbf16(Build(filter=False))
+    assert not has_dpbf16(Build(vec_bytes=32))
 
 
 def test_fused_threads_agree(seed: int) -> None:

@@ -1,5 +1,6 @@
 """Indexer top-k selection time per prefill chunk vs context S: fused CPU kernel vs the torch path, and the
-kernel's default build (widest SIMD lanes: 512-bit with AVX-512; FMA filter) vs builds without them.
+kernel's default build (widest SIMD lanes: 512-bit with AVX-512; the AMX tile filter where the CPU has AMX, else
+the VDPBF16PS filter where it has AVX512_BF16, else the FMA filter) vs builds without them.
 
 Inputs are real: a layer's indexer projects a prompt, so queries, keys and head weights have the model's
 distributions (keys LayerNormed and rotated, SSMax on queries). Default: layer 0 of the random tiny model
@@ -10,10 +11,12 @@ of an S-token context, scored against all S keys. Every build must select exactl
 The torch path (index_scores + select_topk) and the pre-kernel einsum formula (the seed's Indexer.scores, kept
 here only as a timing baseline) are timed on --sample rows and scaled to the chunk (their cost per row is
 linear); the fused path is timed on the whole chunk and must select exactly what the torch path selects for the
-sampled rows. Wall seconds and process CPU seconds are both reported. Results -> JSON.
+sampled rows. Wall seconds and process CPU seconds are both reported. With --repeat N the kernel's builds are
+timed N times each, interleaved (one round = every build once), and the median time and the median of the
+per-round ratios are reported: on a shared machine, ratios from one round compare like with like. Results -> JSON.
 
     python -m benchmarks.indexer.select [--contexts 65536,262144,1048576] [--chunk 4096] [--sample 32]
-                                        [--model CKPT] [--out benchmarks/results/indexer/select.json]
+                                        [--repeat 1] [--model CKPT] [--out benchmarks/results/indexer/select.json]
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import time
 from pathlib import Path
 
@@ -41,11 +45,18 @@ from benchmarks.needle.prompt import PromptBuilder
 from benchmarks.needle.tokens import LocalCounter
 
 
-BASELINES = {   # other builds of the kernel, timed against the default (widest lanes, AMX or FMA filter)
+BASELINES = {   # other builds of the kernel, timed against the default (widest lanes, AMX, VDPBF16PS or FMA filter)
     "256bit_unfiltered (the kernel before all filters)": indexer_topk.Build(vec_bytes=32, filter=False),
     "unfiltered": indexer_topk.Build(filter=False),
-    "fma_filter (no AMX)": indexer_topk.Build(amx=False),
+    "fma_filter (no bf16 filter)": indexer_topk.Build(amx=False, dpbf16=False),
 }
+if indexer_topk.has_amx():   # else the default build is this one
+    BASELINES["dpbf16_filter (no AMX)"] = indexer_topk.Build(amx=False)
+
+
+def default_filter() -> str:
+    """The filter of full rows in the default build here (for HI x dI large enough: see indexer_topk.cpp)."""
+    return "amx" if indexer_topk.has_amx() else "dpbf16" if indexer_topk.has_dpbf16() else "fma"
 
 
 def timed(fn) -> tuple[object, float, float]:
@@ -80,31 +91,47 @@ def prompt_tokens(model_dir: str | None, n: int, seed: int) -> tuple[ML4, torch.
 
 
 @torch.no_grad()
-def run(model: ML4, tokens: torch.Tensor, contexts: list[int], chunk: int, sample: int) -> list[dict]:
+def run(model: ML4, tokens: torch.Tensor, contexts: list[int], chunk: int, sample: int, repeat: int = 1
+        ) -> list[dict]:
     layer = model.layers[0]   # layer 0: its input is the embedding, so no other layer need run
     ix = layer.attention.indexer
     S_max = max(contexts)
     positions = torch.arange(S_max)
     cos, sin = model.rope(positions)
     q, k, w = ix.project(layer.attention_norm(model.tok_embeddings(tokens)), positions, cos, sin)
+    for build in [indexer_topk.Build(), *BASELINES.values()]:   # built before any timing
+        indexer_topk.library(build)
     out = []
     for S in contexts:
         sl = slice(S - chunk, S)
         qc, wc, pc, keys = q[sl], w[sl], positions[sl], k[:S]
         wr = ix.head_weights(wc)
-        fused, f_wall, f_cpu = timed(lambda: indexer_topk.fused_topk(qc, wr, keys, pc + 1, ix.topk)[0])
+        times = {name: [] for name in ["default", *BASELINES]}   # (wall, cpu) per round
+        fused = None
+        for _ in range(repeat):
+            for name, build in [("default", indexer_topk.Build()), *BASELINES.items()]:
+                cols, wall, cpu = timed(lambda: indexer_topk.fused_topk(qc, wr, keys, pc + 1, ix.topk,
+                                                                        build=build)[0])
+                fused = cols if fused is None else fused
+                assert torch.equal(fused, cols), f"S={S}: the {name} build selects differently"
+                times[name].append((wall, cpu))
+        f_wall = statistics.median(w for w, _ in times["default"])
+        f_cpu = statistics.median(c for _, c in times["default"])
         builds = {}
-        for name, build in BASELINES.items():
-            cols, wall, cpu = timed(lambda: indexer_topk.fused_topk(qc, wr, keys, pc + 1, ix.topk, build=build)[0])
-            assert torch.equal(fused, cols), f"S={S}: the {name} build selects differently"
-            builds[name] = {"wall_s": wall, "cpu_s": cpu, "default_speedup_cpu": cpu / f_cpu}
+        for name in BASELINES:
+            builds[name] = {"wall_s": statistics.median(w for w, _ in times[name]),
+                            "cpu_s": statistics.median(c for _, c in times[name]),
+                            "default_speedup_cpu": statistics.median(
+                                c / d for (_, c), (_, d) in zip(times[name], times["default"])),
+                            "default_speedup_cpu_rounds": [c / d for (_, c), (_, d) in
+                                                           zip(times[name], times["default"])]}
         rows = torch.linspace(0, chunk - 1, sample).long()
         ref, t_wall, t_cpu = timed(lambda: select_topk(index_scores(qc[rows], wr[rows], keys, pc[rows]), ix.topk))
         assert torch.equal(fused[rows], ref), f"S={S}: fused and torch selections differ"
         _, e_wall, e_cpu = timed(lambda: einsum_select(ix, qc[rows], wc[rows], keys, pc[rows]))
         scale = chunk / sample
         pairs = chunk * S - chunk * (chunk - 1) / 2
-        res = {"context": S, "chunk": chunk, "pairs": pairs,
+        res = {"context": S, "chunk": chunk, "pairs": pairs, "repeat": repeat,
                "fused_wall_s": f_wall, "fused_cpu_s": f_cpu, "fused_ns_per_pair_cpu": f_cpu / pairs * 1e9,
                "other_builds": builds,
                "torch_wall_s_projected": t_wall * scale, "torch_cpu_s_projected": t_cpu * scale,
@@ -120,6 +147,7 @@ def main() -> None:
     ap.add_argument("--contexts", default="65536,262144,1048576")
     ap.add_argument("--chunk", type=int, default=4096)
     ap.add_argument("--sample", type=int, default=32, help="rows timed on the torch paths (then scaled)")
+    ap.add_argument("--repeat", type=int, default=1, help="rounds of the kernel builds' timings (medians)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--model", default=None, help="checkpoint dir (default: the random tiny model)")
     ap.add_argument("--seed", type=int, default=0)
@@ -131,10 +159,11 @@ def main() -> None:
     c = model.cfg
     res = {"setup": {"model": f"{what}; layer 0 indexer (HI={c.index_n_heads}, dI={c.index_head_dim}, "
                               f"k={c.index_topk})", "simd_bits": 8 * indexer_topk.vec_bytes(),
+                     "default_filter": default_filter(),
                      "chunk": args.chunk, "sample_rows_torch": args.sample, "threads": args.threads,
                      "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
                      "load_average": list(os.getloadavg())},
-           "results": run(model, tokens, contexts, args.chunk, args.sample)}
+           "results": run(model, tokens, contexts, args.chunk, args.sample, args.repeat)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2))
     print(json.dumps(res, indent=2))

@@ -20,6 +20,12 @@
 // bound (filter_slack) is wider than the FMA filter's, so more vectors are scored exactly; selections and scores
 // are the exact ones either way.
 //
+// Where the CPU has AVX512_BF16 and the AMX filter does not run, the filter of full rows is the same arithmetic in
+// vectors (dp_sum): VDPBF16PS multiplies a broadcast pair of q~'s dims by 16 keys' bf16 pairs (the block's keys
+// are converted once into per-16-key pair rows, as for the tiles) and adds both products to each key's fp32 sum,
+// so a 16-key vector costs HI x dI / 2 instructions per row instead of HI x dI FMAs; the heads' ReLU'd dots are
+// then summed with FMA, and the vectors within the bound of the threshold are scored exactly.
+//
 // Keys are paged: each query row belongs to a segment (a request), whose logical key j lives in a shared arena
 // at row table[seg][j / page_tokens] * page_tokens + j % page_tokens. Only the key addressing depends on it: a
 // block of keys is gathered through the page table while it is transposed, and scores and positions are those
@@ -58,6 +64,17 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
+// The VDPBF16PS filter: the tile filter's arithmetic (bf16 q and keys, exact products, fp32 sums) in AVX-512
+// vectors of 16 keys, for rows the AMX filter does not take; with AVX512_BF16 and 512-bit lanes, unless filters
+// are off or -DDPBF16=0 (benchmarks).
+#ifndef DPBF16
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && (!defined(FILTER) || FILTER) && \
+    (!defined(VEC_BYTES) || VEC_BYTES == 64)
+#define DPBF16 1
+#else
+#define DPBF16 0
+#endif
+#endif
 
 namespace {
 
@@ -78,6 +95,15 @@ struct E4M3 {
     }
 };
 const E4M3 E4M3_VALUES;
+
+#if DPBF16
+// The VDPBF16PS filter pays from HI x dI = 32 up (benchmarks/indexer/select.py, one thread, against the FMA
+// filter): 0.58-0.62x the time with 128 (needle-ml4 at 512k-1M keys), 0.81-0.91x with 32 (the random tiny model);
+// on random inputs with 8-16 it gains less (0.91-0.98x). -DDPBF16_MIN_WORK=1 makes every shape take it (tests).
+#ifndef DPBF16_MIN_WORK
+#define DPBF16_MIN_WORK 32
+#endif
+#endif
 
 #if AMX
 // The tile filter pays where a key's FMA dots are long: with HI x dI = 128 (needle-ml4's indexer) it scans
@@ -100,8 +126,12 @@ struct TileConfig {
         for (int t = 0; t < 8; ++t) colsb[t] = 64, rows[t] = 16;
     }
 };
+#endif
 
-// fp32 -> bf16, rounded to nearest even (NaN stays NaN): within 2^-9 relative of x for normal values.
+#if AMX || DPBF16
+
+// fp32 -> bf16, rounded to nearest even (NaN stays NaN; denormals kept): within 2^-8 relative of x (8-bit
+// significands) for normal values.
 uint16_t bf16(float x) {
     uint32_t b;
     std::memcpy(&b, &x, sizeof b);
@@ -173,7 +203,7 @@ struct Indexer {
         int64_t n_pos;          // heads with w > 0
         int64_t groups, bound_tried, bound_passed;   // filtered groups; those the positive-head bound was tried
                                                      // on, and did not skip
-        T amx_q = 0, amx_e = 0, amx_abs = 0;   // the AMX filter's slack: amx_q |k| + amx_e |k - bf16(k)| + amx_abs
+        T bf_q = 0, bf_e = 0, bf_abs = 0;   // the bf16 filters' slack: bf_q |k| + bf_e |k - bf16(k)| + bf_abs
         double a = 0, qmax = 0;     // sum_h |w_h| |q_h| and max_h |q_h|: whether the tile sums stay finite
 
         // Whether to bound by the positive heads first: it costs n_pos heads per group and saves HI on the groups
@@ -319,13 +349,48 @@ struct Indexer {
     // exact sum) and only vectors with a lane above thr - slack are scored exactly: the exact score is at most
     // the positive heads' exact sum, which is within slack/2 of the FMA one (filter_slack), so a skipped key's
     // exact score is <= thr and it could not have entered. Selections and scores stay exact.
+    //
+    // With the VDPBF16PS filter (kb16: the block's keys as bf16 pairs, ek their largest residual; qp: the row's
+    // q~ pairs), a full row's group is summed with dp_sum instead, positive heads first (their sum bounds the
+    // score: the other heads are added only to the halves of the group, 4 vectors each, that it does not rule
+    // out), and the vectors with a lane above thr - its slack (bf_q |k| + bf_e ek + bf_abs) are scored exactly.
+    // Rows without a positive head take it too while their threshold is below 0 (at 0 they are done).
     void scan(Row& r, const int64_t* pos_heads, const int64_t* all_heads, const T* kt, int64_t base, int64_t n_blk,
-              T kmax) const {
+              T kmax, const uint16_t* kb16 = nullptr, const uint32_t* qp = nullptr, T ek = 0) const {
         const int64_t n_pos = r.n_pos;
         const T slack = r.slack_q * kmax + r.slack_abs;
         const bool filter = filtered && slack < std::numeric_limits<T>::infinity();   // not for inf / NaN inputs
+#if DPBF16
+        const bool dp = kb16 && bf_fits(r, kmax, ek);
+        const T dslack = dp ? r.bf_q * kmax + r.bf_e * ek + r.bf_abs : T(0);
+#else
+        (void)kb16, (void)qp, (void)ek;
+#endif
         for (int64_t j = 0; j < n_blk; j += G) {
             const T* g = kt + j * dI;
+#if DPBF16
+            if constexpr (sizeof(T) == 4)
+                if (dp && r.count == k && (n_pos > 0 || r.thr < T(0))) {   // pos_heads: positive heads, then the rest
+                    const __m512 lim = _mm512_set1_ps(r.thr - dslack);
+                    const uint16_t* kg = kb16 + j / 16 * dp_dims() * 16;
+                    __m512 d[U];
+                    int64_t h0 = 0;
+                    unsigned halves = 3;   // bit h: vectors 4h .. 4h + 3 still in
+                    if (n_pos > 0 && n_pos < HI) {   // the positive heads' sum bounds the score: add the rest
+                        dp_sum(qp, r.w, pos_heads, n_pos, kg, true, d);   // only to the halves it leaves in
+                        halves = 0;
+                        for (int u = 0; u < U; ++u)
+                            if (_mm512_cmp_ps_mask(d[u], lim, _CMP_NLE_UQ)) halves |= 1u << (u / 4);
+                        if (!halves) continue;
+                        h0 = n_pos;
+                    }
+                    dp_sum(qp, r.w, pos_heads + h0, HI - h0, kg, h0 == 0, d, halves);
+                    for (int u = 0; u < U; ++u)   // NaN sums (unordered) go on too
+                        if (halves >> (u / 4) & 1 && _mm512_cmp_ps_mask(d[u], lim, _CMP_NLE_UQ))
+                            offer(r, exact_one(r.q, r.w, g + u * L), j + u * L, n_blk, base);
+                    continue;
+                }
+#endif
             vec s[U];
             if (n_pos == 0) {
                 if (!(r.thr < T(0))) continue;   // every score is <= 0
@@ -430,7 +495,7 @@ struct Indexer {
             if (!on[i]) continue;
             Row& r = rows[i];
             const int64_t n_blk = std::min(kb, r.n - b0);
-            const T slack = r.amx_q * kmax + r.amx_e * ek + r.amx_abs;
+            const T slack = r.bf_q * kmax + r.bf_e * ek + r.bf_abs;
             const float* cr = c + i * HI * 16;
             __m512 sum[2];
             for (int e = 0; e < 2; ++e, cr += M * 16) {   // both chunks first: two independent chains
@@ -445,17 +510,22 @@ struct Indexer {
         }
     }
 
-    // Whether a full row's block may go through amx_block: its slack is finite and its tile sums cannot
-    // overflow (|q_h| |k| and sum_h |w_h| |q_h| |k| far below the fp32 range).
-    bool amx_fits(const Row& r, T kmax, T ek) const {
+    // Whether a full row's block may go through amx_block (see bf_fits).
+    bool amx_fits(const Row& r, T kmax, T ek) const { return r.count == k && !r.done && bf_fits(r, kmax, ek); }
+#endif
+
+#if AMX || DPBF16
+    // Whether a row's block may go through a bf16 filter: its slack is finite and its fp32 sums cannot overflow
+    // (|q_h| |k| and sum_h |w_h| |q_h| |k| far below the fp32 range); else it takes the FMA filter.
+    bool bf_fits(const Row& r, T kmax, T ek) const {
         const double big = std::ldexp(1.0, 60);
-        return r.count == k && !r.done && r.qmax <= big && double(kmax) <= big &&
-               r.a * double(kmax) <= big * big &&
-               r.amx_q * kmax + r.amx_e * ek + r.amx_abs < std::numeric_limits<T>::infinity();
+        return r.qmax <= big && double(kmax) <= big && r.a * double(kmax) <= big * big &&
+               r.bf_q * kmax + r.bf_e * ek + r.bf_abs < std::numeric_limits<T>::infinity();
     }
 
     // The block's keys (kt: groups of G, each [dI, G], zero-padded) -> kb16: per 16 keys, dIp / 2 pair rows of
-    // (key n: dims 2p, 2p + 1) in bf16, zero past dI: the B tiles of amx_block. Returns the largest rounding
+    // (key n: dims 2p, 2p + 1) in bf16, zero past dI: the B tiles of amx_block (dIp: dI padded to 32), or
+    // dp_sum's key vectors (dIp: dI padded to even). Returns the largest rounding
     // residual |k~ - k| of a key of the block (rounded up).
     T to_pairs(const T* kt, int64_t nb, int64_t dIp, uint16_t* kb16) const {
         const int64_t n_chunks = (nb + G - 1) / G * (G / 16);
@@ -476,52 +546,149 @@ struct Indexer {
     }
 #endif
 
+#if DPBF16
+    // dI padded to even: the dims of dp_sum's q~ and key pairs
+    int64_t dp_dims() const { return dI + dI % 2; }
+
+    // The VDPBF16PS filter's sums for NH heads hs[0 .. NH) and V vectors of 16 keys: per head, the dot of q~_h
+    // (qp: the row's q~ as pairs [HI, P]) with each key's bf16 pairs (kg: V vectors cs uint16 apart, each [P, 16]
+    // pairs), one instruction per dim pair, a q pair broadcast against 16 keys; then s[v] = FMA sum of w_h
+    // relu(dot_h) over the heads in order, after s[v]'s own value unless `first`. SP = 2 splits each dot into two
+    // sums (even and odd pairs) added at the end, so that 12-16 sums are in flight where NH x V is 4 or 8 (the
+    // instruction's latency is ~12 of its issue slots). ReLU as max(0, dot): a NaN dot stays NaN, so its keys are
+    // scored exactly.
+    template <int NH, int V, int SP>
+    void dp_heads(const uint32_t* qp, int64_t P, const T* w, const int64_t* hs, const uint16_t* kg, int64_t cs,
+                  bool first, __m512* s) const {
+        __m512 a[SP][NH][V];
+        const uint32_t* qh[NH];
+        for (int i = 0; i < NH; ++i) {
+            qh[i] = qp + hs[i] * P;
+            for (int v = 0; v < V; ++v)
+                for (int e = 0; e < SP; ++e) a[e][i][v] = _mm512_setzero_ps();
+        }
+        auto step = [&](int64_t p, int e) {
+            __m512bh kv[V];
+            for (int v = 0; v < V; ++v) {
+                __m512i x = _mm512_load_si512(kg + v * cs + p * 32);
+                __asm__("" : "+v"(x));   // kept in a register for all NH heads (GCC would reload it per head)
+                kv[v] = (__m512bh)x;
+            }
+            for (int i = 0; i < NH; ++i) {
+                const __m512bh qv = (__m512bh)_mm512_set1_epi32(int(qh[i][p]));
+                for (int v = 0; v < V; ++v) a[e][i][v] = _mm512_dpbf16_ps(a[e][i][v], qv, kv[v]);
+            }
+        };
+        int64_t p = 0;
+        for (; p + SP <= P; p += SP)
+            for (int e = 0; e < SP; ++e) step(p + e, e);
+        for (; p < P; ++p) step(p, 0);
+        for (int i = 0; i < NH; ++i) {
+            const __m512 wv = _mm512_set1_ps(float(w[hs[i]]));
+            for (int v = 0; v < V; ++v) {
+                const __m512 dot = SP == 2 ? _mm512_add_ps(a[0][i][v], a[SP - 1][i][v]) : a[0][i][v];
+                const __m512 r = _mm512_max_ps(_mm512_setzero_ps(), dot);
+                s[v] = first && i == 0 ? _mm512_mul_ps(r, wv) : _mm512_fmadd_ps(r, wv, s[v]);
+            }
+        }
+    }
+
+    // s[u] (u < U = 8: the vectors of one group; kg: its key pairs) = the FMA sum over heads hs[0 .. nh) of
+    // w_h relu(dot~_h), after s[u]'s own value unless `first`: within filter_slack's bf16 bound of the exact sum
+    // over those heads. Only the halves of the group (vectors 0-3, 4-7) set in `halves` (bits 0, 1). Up to 4 heads
+    // per pass, 12-16 sums in flight, each key vector loaded once per pass.
+    void dp_sum(const uint32_t* qp, const T* w, const int64_t* hs, int64_t nh, const uint16_t* kg, bool first,
+                __m512* s, unsigned halves = 3) const {
+        static_assert(U == 8, "dp_sum covers a group as 2 x 4 or 8 vectors");
+        const int64_t P = dp_dims() / 2, cs = dp_dims() * 16;
+        for (int64_t i = 0; i < nh;) {
+            const bool f = first && i == 0;
+            const int64_t n = std::min<int64_t>(nh - i, 4);
+            if (n <= 2 && halves == 3) {
+                if (n == 1) dp_heads<1, 8, 2>(qp, P, w, hs + i, kg, cs, f, s);
+                else dp_heads<2, 8, 1>(qp, P, w, hs + i, kg, cs, f, s);
+            } else {
+                for (int hf = 0; hf < 2; ++hf)
+                    if (halves >> hf & 1) switch (n) {
+                        case 1: dp_heads<1, 4, 2>(qp, P, w, hs + i, kg + 4 * hf * cs, cs, f, s + 4 * hf); break;
+                        case 2: dp_heads<2, 4, 2>(qp, P, w, hs + i, kg + 4 * hf * cs, cs, f, s + 4 * hf); break;
+                        case 3: dp_heads<3, 4, 1>(qp, P, w, hs + i, kg + 4 * hf * cs, cs, f, s + 4 * hf); break;
+                        default: dp_heads<4, 4, 1>(qp, P, w, hs + i, kg + 4 * hf * cs, cs, f, s + 4 * hf);
+                    }
+            }
+            i += n;
+        }
+    }
+#endif
+
     // The filter's slack for one row: |FMA sum - exact sum| over any heads is at most
     // sum_h |w_h| sum_d |q_hd k_d| (2 gamma_dI + 2 gamma_HI (1 + gamma_dI)) (Higham's dot-product bound, both
     // ways of rounding), plus underflow; sum_d |q_hd k_d| <= |q_h| |k| (Cauchy-Schwarz). Twice that, with a
     // rounded-up u, covers the rounding of the slack itself and of thr - slack: slack = slack_q |k| + slack_abs.
     //
-    // The AMX filter (amx_block) rounds q and the keys to bf16 (q~, k~), multiplies exactly, sums the dIp (dI
-    // padded to 32) products in fp32 in an order of the hardware's, treats bf16 denormals as 0 and flushes
-    // denormal results; the head sum is then taken with FMA. Per head, |q~ . k~ - q . k| <= |q~| |k~ - k| +
-    // |q~ - q| |k| (the rounding residuals, measured: a row's for q, the block's largest for its keys), the fp32
-    // sum adds dIp u |q~| |k~| <= dIp u |q| |k| (1 + 2^-8), the flushes 2^-126 (sqrt(dI) (|k| + |q_h|) + 2 dIp),
-    // and the FMA head sum HI u; the exact score is within (dI + HI) u sum_h |w_h| |q_h| |k| of the real one.
-    // Twice the sum, rounded up, is amx_q |k| + amx_e |k~ - k| + amx_abs.
-    void filter_slack(Row& r) const {
+    // The bf16 filters, AMX tiles (amx_block) and VDPBF16PS (dp_sum), round q and the keys to bf16 (q~, k~),
+    // treat bf16 denormal inputs as 0, multiply exactly, and sum a head's n = dims products (dI zero-padded: to a
+    // multiple of 32 for tiles, to even for VDPBF16PS) in fp32, in an order of the hardware's, flushing denormal
+    // results to 0; each row then adds its heads' ReLU'd dots with FMA. Per head and key:
+    //  - |q~ . k~ - q . k| <= |q~| |k~ - k| + |q~ - q| |k|: the rounding residuals, measured (a row's per head for
+    //    q, the block's largest for its keys);
+    //  - the inputs taken as 0 (|x| < 2^-126) drop at most 2^-126 sum_d (|k~_d| + |q~_d|) <= 2^-126 sqrt(dI)
+    //    (|k~| + |q~|), and |k~| <= |k| (1 + 2^-8);
+    //  - the fp32 sum rounds at most n + 1 times: tiles add n products in n - 1 roundings; VDPBF16PS adds two
+    //    products to a lane per instruction, n / 2 instructions, each in one rounding or two (either is covered),
+    //    and dp_heads may add two such sums at the end. Every rounding errs by at most 2^-24 of a partial sum,
+    //    itself <= sum_d |q~_d k~_d| <= |q~| |k~| <= |q| |k| (1 + 2^-8)^2, so n u |q| |k| (1 + 2^-8)^2 bounds them
+    //    all (u = 2^-23: twice the unit roundoff; (n + 1) 2^-24 <= n u);
+    //  - flushing loses < 2^-126 at each rounding, and at each product should the hardware round the products
+    //    first: (2n + 1) 2^-126 in all.
+    // ReLU is 1-Lipschitz, the FMA head sum adds HI u, and the exact score is within (dI + HI) u sum_h |w_h| |q_h|
+    // |k| of the real one. The sum B of these bounds, rounded up, is bf_q |k| + bf_e |k~ - k| + bf_abs (times 2
+    // for tiles, a margin kept from before; the residual terms, exact by Cauchy-Schwarz, dominate B). B with its
+    // (1 + 1e-6) factors is enough for the skip test: scan's lim = fl(thr - slack), slack >= B (1 + 1e-6) after
+    // its own roundings, so a skipped key's exact score E <= s + B <= lim + B < thr + 2^-24 |thr|, and the float
+    // next above thr lies at least that far: E <= thr, and the key could not have entered. dims = 0: the row
+    // takes no bf16 filter.
+    void filter_slack(Row& r, int64_t dims, bool tiles) const {
         const double u = std::numeric_limits<T>::epsilon();   // 2x the unit roundoff
-        double a = 0, wsum = 0, wq = 0, qmax = 0;
+        double a = 0, wsum = 0, qmax = 0;
         for (int64_t h = 0; h < HI; ++h) {
             double n2 = 0;
             for (int64_t d = 0; d < dI; ++d) n2 += double(r.q[h * dI + d]) * double(r.q[h * dI + d]);
             a += std::abs(double(r.w[h])) * std::sqrt(n2);
             wsum += std::abs(double(r.w[h]));
-            wq += std::abs(double(r.w[h])) * (std::sqrt(double(dI)) * std::sqrt(n2) + 2 * ((dI + 31) / 32 * 32));
             qmax = std::max(qmax, std::sqrt(n2));
         }
         const double dm = std::numeric_limits<T>::denorm_min();
         r.slack_q = T(2 * (dI + HI + 2) * u * a * (1 + 1e-6));
         r.slack_abs = T(2 * (wsum + 1) * (2 * dI + 2 * HI + 2) * dm) + std::numeric_limits<T>::denorm_min();
         r.a = a, r.qmax = qmax;
-#if AMX
-        if constexpr (sizeof(T) == 4) {
-            double wqt = 0, weq = 0;   // sum_h |w_h| |q~_h|, sum_h |w_h| |q~_h - q_h|
-            for (int64_t h = 0; h < HI; ++h) {
-                double t2 = 0, e2 = 0;
-                for (int64_t d = 0; d < dI; ++d) {
-                    const double x = r.q[h * dI + d], xb = widen(bf16(float(x)));
-                    t2 += xb * xb, e2 += (xb - x) * (xb - x);
+#if AMX || DPBF16
+        if constexpr (sizeof(T) == 4)
+            if (dims > 0) {
+                double wqt = 0, weq = 0;   // sum_h |w_h| |q~_h|, sum_h |w_h| |q~_h - q_h|
+                for (int64_t h = 0; h < HI; ++h) {
+                    double t2 = 0, e2 = 0;
+                    for (int64_t d = 0; d < dI; ++d) {
+                        const double x = r.q[h * dI + d], xb = widen(bf16(float(x)));
+                        t2 += xb * xb, e2 += (xb - x) * (xb - x);
+                    }
+                    wqt += std::abs(double(r.w[h])) * std::sqrt(t2);
+                    weq += std::abs(double(r.w[h])) * std::sqrt(e2);
                 }
-                wqt += std::abs(double(r.w[h])) * std::sqrt(t2);
-                weq += std::abs(double(r.w[h])) * std::sqrt(e2);
+                const double flush = std::ldexp(1.0, -126), n = double(dims), rd = std::sqrt(double(dI));
+                const double g = 1 + std::ldexp(1.0, -8), up = 1 + 1e-6;
+                // the parts, per unit of |k| (bf_q), of |k~ - k| (bf_e), and absolute (bf_abs)
+                const double resid_q = weq;                                    // |q~ - q| |k|
+                const double sums = (n + dI + 2 * HI + 4) * u * a * g * g;     // fp32 sums, head sum, exact score
+                const double daz_q = flush * rd * g * wsum;                    // q~'s denormals as 0: |k~|
+                const double resid_k = wqt;                                    // |q~| |k~ - k|
+                const double daz_k = flush * rd * wqt;                         // k~'s denormals as 0: |q~|
+                const double flushes = flush * (2 * n + 1) * wsum;             // denormal results flushed
+                const double m = tiles ? 2 : 1;
+                r.bf_q = T(m * (resid_q + sums + daz_q) * up * up);
+                r.bf_e = T(m * resid_k * up * up);
+                r.bf_abs = T(m * (daz_k + flushes) * up * up) + r.slack_abs;
             }
-            const double flush = std::ldexp(1.0, -126), dIp = double((dI + 31) / 32 * 32);
-            const double grow = (1 + std::ldexp(1.0, -8)) * (1 + 1e-6);
-            r.amx_q = T(2 * (weq + (dIp + dI + 2 * HI + 4) * u * a * grow + flush * std::sqrt(double(dI)) * wsum) *
-                        (1 + 1e-6));
-            r.amx_e = T(2 * wqt * (1 + 1e-6));
-            r.amx_abs = T(2 * flush * wq * (1 + 1e-6)) + r.slack_abs;
-        }
 #endif
     }
 
@@ -637,10 +804,14 @@ struct Indexer {
         std::vector<Row> tile(TILE_ROWS);
         std::vector<char> amx_rows(TILE_ROWS);   // rows whose block goes through amx_block
         const int64_t n_rows = rows.size();
+        bool amx = false;    // the AMX filter runs
+        int64_t dims = 0;    // the padded dims of the bf16 filter that runs (filter_slack); 0: none
+        (void)amx;
 #if AMX
         // the AMX filter: 32 / HI rows per group (two A tiles), or one row of HI / 16 tiles; q and keys in bf16
-        const bool amx = sizeof(T) == 4 && (16 % HI == 0 || HI % 16 == 0) && HI * dI >= AMX_MIN_WORK && amx_ready();
+        amx = sizeof(T) == 4 && (16 % HI == 0 || HI % 16 == 0) && HI * dI >= AMX_MIN_WORK && amx_ready();
         const int64_t R = HI < 16 ? 32 / HI : 1, dIp = (dI + 31) / 32 * 32;
+        if (amx) dims = dIp;
         std::vector<uint16_t> qb(amx ? (TILE_ROWS + R) * HI * dIp : 0), kb16(amx ? kb * dIp : 0);
         std::vector<float> c_buf(amx ? 4 * R * HI * 16 + 16 : 0);
         float* cbuf = (float*)(((uintptr_t)c_buf.data() + 63) & ~uintptr_t(63));
@@ -649,6 +820,16 @@ struct Indexer {
             const TileConfig cfg;
             _tile_loadconfig(&cfg);
         }
+#endif
+#if DPBF16
+        // the VDPBF16PS filter, where AMX does not run: the rows' q~ as pairs [HI, P] (qd), a block's keys as
+        // pairs per 16 keys [P, 16] (kd, 64-byte aligned)
+        const bool dp = sizeof(T) == 4 && !amx && HI * dI >= DPBF16_MIN_WORK;
+        const int64_t P = dp_dims() / 2;
+        std::vector<uint32_t> qd(dp ? TILE_ROWS * HI * P : 0);
+        std::vector<uint16_t> kd_buf(dp ? kb * dp_dims() + 32 : 0);
+        uint16_t* kd = (uint16_t*)(((uintptr_t)kd_buf.data() + 63) & ~uintptr_t(63));
+        if (dp) dims = dp_dims();
 #endif
         for (int64_t t0 = 0, nt; t0 < n_rows; t0 += nt) {
             const int64_t seg = row_seg[rows[t0]];
@@ -660,14 +841,25 @@ struct Indexer {
                 Row& r = tile[i];
                 r = Row{q + t * HI * dI, w + t * HI, n_visible[t], -std::numeric_limits<T>::infinity(), 0,
                         &score[i * k], &pos[i * k], false, T(0), T(0), 0, 0, 0, 0};
-                filter_slack(r);
-                for (int64_t h = 0; h < HI; ++h)
+                filter_slack(r, dims, amx);
+                for (int64_t h = 0; h < HI; ++h)   // the positive heads, then (for dp_sum) the others
                     if (r.w[h] > T(0)) heads[i * HI + r.n_pos++] = h;
+                for (int64_t h = 0, m = r.n_pos; h < HI; ++h)
+                    if (!(r.w[h] > T(0))) heads[i * HI + m++] = h;
                 n_max = std::max(n_max, r.n);
 #if AMX
                 if (amx)
                     for (int64_t h = 0; h < HI; ++h)
                         for (int64_t d = 0; d < dI; ++d) qb[(i * HI + h) * dIp + d] = bf16(float(r.q[h * dI + d]));
+#endif
+#if DPBF16
+                if (dp)   // pair p of head h: dims 2p (low half), 2p + 1 (high half; 0 past dI)
+                    for (int64_t h = 0; h < HI; ++h)
+                        for (int64_t p = 0; p < P; ++p) {
+                            const T* x = r.q + h * dI + 2 * p;
+                            const uint32_t hi = 2 * p + 1 < dI ? bf16(float(x[1])) : 0;
+                            qd[(i * HI + h) * P + p] = bf16(float(x[0])) | hi << 16;
+                        }
 #endif
             }
             for (int64_t b0 = 0; b0 < n_max; b0 += kb) {
@@ -704,10 +896,24 @@ struct Indexer {
                     }
                 }
 #endif
+                const uint16_t* pairs = nullptr;   // the block's keys for dp_sum, if a row can be full in it
+                T ek = 0;
+#if DPBF16
+                if (dp) {
+                    bool any = false;
+                    for (int64_t i = 0; i < nt; ++i)
+                        any |= !tile[i].done && tile[i].n > b0 && tile[i].count + std::min(kb, tile[i].n - b0) >= k;
+                    if (any) ek = to_pairs(kt, nb, dp_dims(), kd), pairs = kd;
+                }
+#endif
                 for (int64_t i = 0; i < nt; ++i) {
                     Row& r = tile[i];
                     if (r.done || r.n <= b0 || amx_rows[i]) continue;
-                    scan(r, &heads[i * HI], all_heads.data(), kt, b0, std::min(kb, r.n - b0), kmax);
+                    const uint32_t* qp = nullptr;
+#if DPBF16
+                    if (pairs) qp = &qd[i * HI * P];
+#endif
+                    scan(r, &heads[i * HI], all_heads.data(), kt, b0, std::min(kb, r.n - b0), kmax, pairs, qp, ek);
                 }
             }
             for (int64_t i = 0; i < nt; ++i) {
@@ -773,6 +979,9 @@ int indexer_topk_f32(const float* q, const float* w, const float* keys, const in
 }
 
 int indexer_vec_bytes() { return VEC_BYTES; }
+
+// Whether the VDPBF16PS filter is built in (it runs where the AMX filter does not, HI x dI >= DPBF16_MIN_WORK).
+int indexer_dpbf16() { return DPBF16; }
 
 int indexer_amx() {
 #if AMX
