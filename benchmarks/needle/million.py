@@ -2,15 +2,16 @@
 served by the engine of `hisparse serve` with HiSparse KV on this machine's CPU.
 
     python -m benchmarks.needle.million [--model DIR] [--tokens 1048576] [--decode 32] [--chunk 4096] \\
-        [--threads 1] [--out benchmarks/results/needle/million.json]
+        [--threads 1] [--haystack corpus|synthetic] [--seed 0] [--depth 50] [--out benchmarks/results/needle/million.json]
 
 It drives the serving engine (`hisparse.engine.Engine`: scheduler, chunked prefill, sampler, HiSparseKV)
 in-process rather than over HTTP, so that prefill and decode are timed apart at the step where the first token
 is sampled, and the request's device-side bytes (`HiSparseKV.device_bytes`) can be read while it runs. The
 host pool is sized to hold exactly the request (prompt + decode, whole pages).
 
-The prompt is a needle haystack (benchmarks.needle.prompt, the completions form, the needle at 50% depth) of
-exactly `--tokens` tokens by the checkpoint's tokenizer. While prefill runs, a progress bar shows the tokens done
+The prompt is a needle haystack (benchmarks.needle.prompt, the completions form, the needle at `--depth`) of
+exactly `--tokens` tokens by the checkpoint's tokenizer: English prose (`corpus`), or the passkey model's training
+distribution (`synthetic`: the prompt `python -m benchmarks.needle --haystack synthetic` sends for that seed). While prefill runs, a progress bar shows the tokens done
 and an ETA from a fit t(p) = a p + b p^2 of the elapsed time (the indexer makes prefill quadratic), and the
 progress, fit and projected prefill time for 1,048,576 tokens are written to `<out>.progress.json` every few
 seconds. The final JSON has the wall times, peak RSS, host-pool bytes, the request's device bytes and the
@@ -42,6 +43,7 @@ from hisparse.kv.kernels import indexer_topk
 from hisparse.kv.base import KVStats
 from hisparse.model.tiny import builtin_tiny
 from hisparse.model.weights import load_model
+from hisparse.train.passkey import SyntheticHaystack
 
 from .corpus import Corpus
 from .harness import needle_value, retrieved
@@ -131,8 +133,10 @@ def run(args: argparse.Namespace, settings: KVSettings) -> dict:
 
     t = time.perf_counter()
     counter = LocalCounter(model_dir)
-    value = needle_value(0, args.tokens, 0.5)
-    prompt = PromptBuilder(Corpus(), counter, "completions").build(args.tokens, 0.5, value)
+    depth = args.depth / 100
+    value = needle_value(args.seed, args.tokens, depth)
+    haystack = Corpus() if args.haystack == "corpus" else SyntheticHaystack(args.seed)
+    prompt = PromptBuilder(haystack, counter, "completions").build(args.tokens, depth, value)
     ids = counter.encode("completions", prompt.content)
     if len(ids) != args.tokens:
         raise SystemExit(f"--tokens: the prompt builder met {len(ids)} tokens, not {args.tokens}")
@@ -152,7 +156,8 @@ def run(args: argparse.Namespace, settings: KVSettings) -> dict:
         "indexer_kernel": "fused C++ (hisparse/kv/kernels)" if indexer_topk.available() else "torch",
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
                     "commit": git_commit()},
-        "needle": {"value": value, "depth": prompt.needle_depth}, "prompt_build_s": round(build_s, 1),
+        "needle": {"value": value, "depth": prompt.needle_depth, "haystack": args.haystack, "seed": args.seed},
+        "prompt_build_s": round(build_s, 1),
         "rss_after_model_load_bytes": rss_model, "rss_before_request_bytes": rss_start,
         "host_pool": {"gib": gib, "allocated_bytes": kv.pool.nbytes, "capacity_tokens": kv.token_capacity()},
     }
@@ -233,6 +238,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tokens", type=int, default=MILLION, help="prompt tokens")
     ap.add_argument("--decode", type=int, default=32, help="greedy tokens to generate")
     ap.add_argument("--chunk", type=int, default=4096, help="prefill chunk (max_num_batched_tokens)")
+    ap.add_argument("--haystack", choices=("corpus", "synthetic"), default="corpus",
+                    help="English prose, or the passkey model's training distribution (as benchmarks.needle)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="the needle's value and, with --haystack synthetic, the haystack: benchmarks.needle's seed")
+    ap.add_argument("--depth", type=float, default=50.0, help="needle depth, percent of the haystack")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (more than 1 spin-waits badly on a busy machine)")
     # the KV flags but --kv-offload (always hisparse) and --host-pool-gib (sized to the request)
