@@ -2,7 +2,8 @@
 served by the engine of `hisparse serve` with HiSparse KV on this machine's CPU.
 
     python -m benchmarks.needle.million [--model DIR] [--tokens 1048576] [--decode 32] [--chunk 4096] \\
-        [--threads 1] [--haystack corpus|synthetic] [--seed 0] [--depth 50] [--out benchmarks/results/needle/million.json]
+        [--threads 1] [--haystack corpus|synthetic] [--seed 0] [--depth 50] [--indexer-build default|fma] \\
+        [--out benchmarks/results/needle/million.json]
 
 It drives the serving engine (`hisparse.engine.Engine`: scheduler, chunked prefill, sampler, HiSparseKV)
 in-process rather than over HTTP, so that prefill and decode are timed apart at the step where the first token
@@ -27,7 +28,10 @@ import platform
 import resource
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -52,6 +56,8 @@ from .tokens import LocalCounter
 from .watch import fit_quadratic, fmt_s
 
 MILLION = 1 << 20
+# kernel builds an A/B run can pick: the default (AMX tiles, else VDPBF16PS, else FMA) and the FMA filter alone
+INDEXER_BUILDS = {"default": indexer_topk.Build(), "fma": indexer_topk.Build(amx=False, dpbf16=False)}
 PROGRESS_EVERY_S = 10.0
 
 
@@ -154,6 +160,7 @@ def run(args: argparse.Namespace, settings: KVSettings) -> dict:
         "chunk": args.chunk, "threads": args.threads, "kv_layout": settings.layout,
         "max_position_embeddings": cfg.max_position_embeddings,
         "indexer_kernel": "fused C++ (hisparse/kv/kernels)" if indexer_topk.available() else "torch",
+        "indexer_build": args.indexer_build,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
                     "commit": git_commit()},
         "needle": {"value": value, "depth": prompt.needle_depth, "haystack": args.haystack, "seed": args.seed},
@@ -245,10 +252,25 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--depth", type=float, default=50.0, help="needle depth, percent of the haystack")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (more than 1 spin-waits badly on a busy machine)")
+    ap.add_argument("--indexer-build", choices=tuple(INDEXER_BUILDS), default="default",
+                    help="the indexer kernel's build: the best filter this CPU has, or the FMA filter alone (A/B)")
     # the KV flags but --kv-offload (always hisparse) and --host-pool-gib (sized to the request)
     KVSettings.add_args(ap, ("layout", "hot_buffer_tokens", "resident_window", "page_tokens"))
     ap.add_argument("--out", default="benchmarks/results/needle/million.json")
     return ap
+
+
+@contextmanager
+def indexer_build(name: str) -> Iterator[None]:
+    """While open, the engine's paged top-k (hisparse.kv.scoring calls it through the module) runs kernel build
+    `name` of INDEXER_BUILDS."""
+    original = indexer_topk.fused_topk_paged
+    if name != "default":
+        indexer_topk.fused_topk_paged = partial(original, build=INDEXER_BUILDS[name])
+    try:
+        yield
+    finally:
+        indexer_topk.fused_topk_paged = original
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -259,7 +281,8 @@ def main(argv: list[str] | None = None) -> dict:
         settings = replace(KVSettings.from_args(args), offload="hisparse")
     except KVSettingsError as e:
         raise SystemExit(str(e)) from None
-    return run(args, settings)
+    with indexer_build(args.indexer_build):
+        return run(args, settings)
 
 
 if __name__ == "__main__":
