@@ -17,7 +17,7 @@ from conftest import full_forward, random_tokens, tiny_model
 from hisparse.kv import scoring as indexer_module
 from hisparse.core.batch import ForwardTrace, Segment
 from hisparse.kv.scoring import index_scores, paged_topk, score_dtype, select_topk
-from hisparse.kv.kernels.indexer_topk import Build, fused_topk, fused_topk_paged, has_amx, has_dpbf16
+from hisparse.kv.kernels.indexer_topk import FMA_FILTER, Build, fused_topk, fused_topk_paged, has_amx, has_dpbf16
 from hisparse.kv.resident import ResidentKV
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 DPBF16_ALL = Build(amx=False, dpbf16_min_work=1)
 # the default (AMX tiles where the CPU has them, else VDPBF16PS where it has AVX512_BF16, else the FMA filter), the
 # FMA filter alone, VDPBF16PS for every shape, 256-bit lanes, none
-BUILDS = [Build(), Build(amx=False, dpbf16=False), DPBF16_ALL, Build(vec_bytes=32), Build(filter=False)]
+BUILDS = [Build(), FMA_FILTER, DPBF16_ALL, Build(vec_bytes=32), Build(filter=False)]
 BUILD_IDS = ["default", "fma-filter", "dpbf16-all", "256bit", "unfiltered"]
 
 

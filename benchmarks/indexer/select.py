@@ -48,7 +48,7 @@ from benchmarks.needle.tokens import LocalCounter
 BASELINES = {   # other builds of the kernel, timed against the default (widest lanes, AMX, VDPBF16PS or FMA filter)
     "256bit_unfiltered (the kernel before all filters)": indexer_topk.Build(vec_bytes=32, filter=False),
     "unfiltered": indexer_topk.Build(filter=False),
-    "fma_filter (no bf16 filter)": indexer_topk.Build(amx=False, dpbf16=False),
+    "fma_filter (no bf16 filter)": indexer_topk.FMA_FILTER,
 }
 if indexer_topk.has_amx():   # else the default build is this one
     BASELINES["dpbf16_filter (no AMX)"] = indexer_topk.Build(amx=False)
@@ -119,12 +119,10 @@ def run(model: ML4, tokens: torch.Tensor, contexts: list[int], chunk: int, sampl
         f_cpu = statistics.median(c for _, c in times["default"])
         builds = {}
         for name in BASELINES:
+            rounds = [c / d for (_, c), (_, d) in zip(times[name], times["default"])]
             builds[name] = {"wall_s": statistics.median(w for w, _ in times[name]),
                             "cpu_s": statistics.median(c for _, c in times[name]),
-                            "default_speedup_cpu": statistics.median(
-                                c / d for (_, c), (_, d) in zip(times[name], times["default"])),
-                            "default_speedup_cpu_rounds": [c / d for (_, c), (_, d) in
-                                                           zip(times[name], times["default"])]}
+                            "default_speedup_cpu": statistics.median(rounds), "default_speedup_cpu_rounds": rounds}
         rows = torch.linspace(0, chunk - 1, sample).long()
         ref, t_wall, t_cpu = timed(lambda: select_topk(index_scores(qc[rows], wr[rows], keys, pc[rows]), ix.topk))
         assert torch.equal(fused[rows], ref), f"S={S}: fused and torch selections differ"

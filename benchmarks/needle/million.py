@@ -57,7 +57,7 @@ from .watch import fit_quadratic, fmt_s
 
 MILLION = 1 << 20
 # kernel builds an A/B run can pick: the default (AMX tiles, else VDPBF16PS, else FMA) and the FMA filter alone
-INDEXER_BUILDS = {"default": indexer_topk.Build(), "fma": indexer_topk.Build(amx=False, dpbf16=False)}
+INDEXER_BUILDS = {"default": indexer_topk.Build(), "fma": indexer_topk.FMA_FILTER}
 PROGRESS_EVERY_S = 10.0
 
 

@@ -55,6 +55,10 @@ class Build:
             ([] if self.dpbf16_min_work is None else [f"-DDPBF16_MIN_WORK={self.dpbf16_min_work}"])
 
 
+# the FMA filter alone (no bf16 filter): the baseline the bf16 filters are timed against
+FMA_FILTER = Build(amx=False, dpbf16=False)
+
+
 @cache
 def library(build: Build = Build()) -> ctypes.CDLL | None:
     """The loaded kernel library, built on first call; None (with one warning) when it cannot be built."""
