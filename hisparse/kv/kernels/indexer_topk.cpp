@@ -313,22 +313,33 @@ struct Indexer {
         }
     }
 
-    // The exact score (all heads, in order) of the L keys of one vector, kv = kt + u * L: heads four at a time, so
-    // four dot products are in flight.
+    // Adds heads h0 .. h0 + NH - 1 of the exact score of one vector (kv = kt + u * L) to s, in order: NH dot
+    // products in flight. NH is a constant so the sums stay in registers (a runtime count spills them to the stack,
+    // and every step then waits on a store and a reload).
+    template <int NH>
+    void exact_heads(const T* q, const T* w, const T* kv, int64_t h0, vec& s) const {
+        vec a[NH];
+        for (int i = 0; i < NH; ++i) a[i] = *(const vec*)kv * q[(h0 + i) * dI];
+        for (int64_t d = 1; d < dI; ++d) {
+            vec k = *(const vec*)(kv + d * G);
+            for (int i = 0; i < NH; ++i) a[i] = a[i] + k * q[(h0 + i) * dI + d];
+        }
+        for (int i = 0; i < NH; ++i) {
+            vec r = a[i] > T(0) ? a[i] : vec{};
+            s = h0 + i == 0 ? r * w[0] : s + r * w[h0 + i];
+        }
+    }
+
+    // The exact score (all heads, in order) of the L keys of one vector, kv = kt + u * L: heads four at a time.
     vec exact_one(const T* q, const T* w, const T* kv) const {
         vec s{};
-        for (int64_t h0 = 0; h0 < HI; h0 += 4) {
-            const int64_t nh = std::min<int64_t>(4, HI - h0);
-            vec a[4];
-            for (int64_t i = 0; i < nh; ++i) a[i] = *(const vec*)kv * q[(h0 + i) * dI];
-            for (int64_t d = 1; d < dI; ++d) {
-                vec k = *(const vec*)(kv + d * G);
-                for (int64_t i = 0; i < nh; ++i) a[i] = a[i] + k * q[(h0 + i) * dI + d];
-            }
-            for (int64_t i = 0; i < nh; ++i) {
-                vec r = a[i] > T(0) ? a[i] : vec{};
-                s = h0 + i == 0 ? r * w[0] : s + r * w[h0 + i];
-            }
+        int64_t h0 = 0;
+        for (; h0 + 4 <= HI; h0 += 4) exact_heads<4>(q, w, kv, h0, s);
+        switch (HI - h0) {
+            case 3: exact_heads<3>(q, w, kv, h0, s); break;
+            case 2: exact_heads<2>(q, w, kv, h0, s); break;
+            case 1: exact_heads<1>(q, w, kv, h0, s); break;
+            default: break;
         }
         return s;
     }
