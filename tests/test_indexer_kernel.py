@@ -17,16 +17,18 @@ from conftest import full_forward, random_tokens, tiny_model
 from hisparse.kv import scoring as indexer_module
 from hisparse.core.batch import ForwardTrace, Segment
 from hisparse.kv.scoring import index_scores, paged_topk, score_dtype, select_topk
-from hisparse.kv.kernels.indexer_topk import FMA_FILTER, Build, fused_topk, fused_topk_paged, has_amx, has_dpbf16
+from hisparse.kv.kernels.indexer_topk import (FMA_FILTER, Build, fused_topk, fused_topk_paged, has_amx, has_dot,
+                                              has_dot_int8)
 from hisparse.kv.resident import ResidentKV
 
 pytestmark = pytest.mark.usefixtures("single_thread")
-# every shape through the VDPBF16PS filter (where the CPU has AVX512_BF16)
-DPBF16_ALL = Build(amx=False, dpbf16_min_work=1)
+# every shape through the dot filter: int8 where the CPU has AVX512_VNNI, and bf16 where it has AVX512_BF16
+DOT_ALL = Build(amx=False, dot_min_work=1)
+DOT_BF16_ALL = Build(amx=False, dot_int8=False, dot_min_work=1)
 # the default (AMX tiles where the CPU has them, else VDPBF16PS where it has AVX512_BF16, else the FMA filter), the
-# FMA filter alone, VDPBF16PS for every shape, 256-bit lanes, none
-BUILDS = [Build(), FMA_FILTER, DPBF16_ALL, Build(vec_bytes=32), Build(filter=False)]
-BUILD_IDS = ["default", "fma-filter", "dpbf16-all", "256bit", "unfiltered"]
+# FMA filter alone, the dot filter (int8, bf16) for every shape, 256-bit lanes, none
+BUILDS = [Build(), FMA_FILTER, DOT_ALL, DOT_BF16_ALL, Build(vec_bytes=32), Build(filter=False)]
+BUILD_IDS = ["default", "fma-filter", "dot-all", "dot-bf16-all", "256bit", "unfiltered"]
 
 
 def random_case(g: torch.Generator, dtype: torch.dtype, kind: str, T: int, S: int, HI: int, dI: int
@@ -179,36 +181,69 @@ BF16_KINDS = ["normal", "near", "dup", "near-bf16-q", "near-bf16-keys", "exact-b
               "underflow", "tiny-w"]
 
 
+def int8_exact(g: torch.Generator, x: torch.Tensor, one_scale: bool = False) -> torch.Tensor:
+    """x rounded to multiples of one power of two s per row (last dim; or for all rows), each row with an entry
+    of +-127 s: the int8 dot filter's scale of such rows is s and their rounding residual 0."""
+    m = x.abs().amax() if one_scale else x.abs().amax(-1, keepdim=True)
+    s = 2.0 ** torch.ceil(torch.log2(m.clamp(min=1e-30) / 127))
+    out = (x / s).round().clamp(-127, 127)
+    idx = torch.randint(0, x.shape[-1], x.shape[:-1] + (1,), generator=g)
+    return out.scatter(-1, idx, 127.0) * s
+
+
+def int8_case(g: torch.Generator, kind: str, T: int, S: int, HI: int, dI: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 inputs aimed at the int8 dot filter's error bound (filter_slack): 'near-int8-q' (near ties, q exact
+    in int8 per head: the keys' residual is the whole error) and 'near-int8-keys' (near ties, keys ulps from int8
+    values on one scale: the queries' residual is most of it)."""
+    q, wr, keys, n_visible = random_case(g, torch.float32, "near", T, S, HI, dI)
+    if kind == "near-int8-q":
+        return int8_exact(g, q), wr, keys, n_visible
+    keys = int8_exact(g, keys, one_scale=True)   # every block's scale is s
+    return q, wr, keys * (1 + torch.randint(-2, 3, keys.shape, generator=g) * 2.0 ** -23), n_visible
+
+
+DOT_CASES = [(DOT_ALL, kind) for kind in BF16_KINDS + ["near-int8-q", "near-int8-keys"]] + \
+    [(DOT_BF16_ALL, kind) for kind in BF16_KINDS]
+
+
 @pytest.mark.parametrize("HI", [1, 2, 3, 4, 5, 8, 16, 32])
-@pytest.mark.parametrize("kind", BF16_KINDS)
-def test_dpbf16_filter_shapes(seed: int, HI: int, kind: str) -> None:
-    """The VDPBF16PS filter (every shape takes it in DPBF16_ALL): any head count (up to 4 heads a pass, the
-    positive heads first), odd and even dI (pairs zero-padded), 1 to 128, the last group of a row partly empty,
-    heaps that fill inside a block, causal limits inside a block, and a near-tie case for each part of its error
-    bound (bf16_case). Selections and scores are the torch path's; the default build (which takes the filter
-    from HI x dI = 32) too."""
-    if not has_dpbf16(DPBF16_ALL):
-        pytest.skip("the CPU has no AVX512_BF16 (or AVX-512), so the kernel is built without the VDPBF16PS filter")
+@pytest.mark.parametrize("build,kind", DOT_CASES,
+                         ids=[f"{'int8' if b.dot_int8 else 'bf16'}-{kind}" for b, kind in DOT_CASES])
+def test_dot_filter_shapes(seed: int, HI: int, build: Build, kind: str) -> None:
+    """The dot filter, int8 and bf16 (every shape takes it in DOT_ALL / DOT_BF16_ALL): any head count (up to 4
+    heads a pass, the positive heads first), odd and even dI (words zero-padded), 1 to 128, the last group of a row
+    partly empty, heaps that fill inside a block, causal limits inside a block, and a near-tie case for each part
+    of its error bound (bf16_case, int8_case). Selections and scores are the torch path's; the default build
+    (which takes the filter from HI x dI = 32) too."""
+    if not has_dot(build) or has_dot_int8(build) != build.dot_int8:
+        pytest.skip(f"the CPU has no {'AVX512_VNNI' if build.dot_int8 else 'AVX512_BF16'} (or AVX-512), so the "
+                    "kernel is built without this dot filter")
     g = torch.Generator().manual_seed(seed)
     for dI in (1, 2, 3, 16, 31, 32, 33, 64, 128):
         T, S = int(torch.randint(1, 40, (1,), generator=g)), int(torch.randint(300, 3000, (1,), generator=g))
         k = int(torch.randint(1, 80, (1,), generator=g))
-        q, wr, keys, n_visible = bf16_case(g, kind, T, S, HI, dI)
+        case_of = int8_case if "int8" in kind else bf16_case
+        q, wr, keys, n_visible = case_of(g, kind, T, S, HI, dI)
         want_cols, want_scores = torch_topk(q, wr, keys, n_visible, k)
-        for build in (DPBF16_ALL, Build()) if HI * dI >= 32 else (DPBF16_ALL,):
+        for build in (build, Build()) if HI * dI >= 32 else (build,):
             cols, scores = fused_topk(q, wr, keys, n_visible, k, with_scores=True, build=build)
             case = f"T={T} S={S} HI={HI} dI={dI} k={k} {build}"
             assert torch.equal(cols, want_cols), case
             assert torch.equal(scores, want_scores), case
 
 
-def test_dpbf16_filter_is_used_exactly_where_the_cpu_has_it() -> None:
-    """Builds with AVX-512 lanes and filters have the VDPBF16PS filter on a CPU with AVX512_BF16 (so the tests
-    above run it) and not on one without; builds without it, the FMA filter or 512-bit lanes never do."""
+def test_dot_filter_is_used_exactly_where_the_cpu_has_it() -> None:
+    """Builds with AVX-512 lanes and filters have the dot filter on a CPU with AVX512_VNNI or AVX512_BF16 (so the
+    tests above run it), int8 where it has AVX512_VNNI unless the build asks for bf16, and none on other CPUs;
+    builds without it, filters or 512-bit lanes never do."""
     flags = cpu_flags()
-    assert has_dpbf16(Build(amx=False)) == has_dpbf16() == ("avx512_bf16" in flags and "avx512f" in flags)
-    assert not has_dpbf16(Build(dpbf16=False)) and not has_dpbf16(Build(filter=False))
-    assert not has_dpbf16(Build(vec_bytes=32))
+    avx512, vnni, bf16_ = "avx512f" in flags, "avx512_vnni" in flags, "avx512_bf16" in flags
+    assert has_dot(Build(amx=False)) == has_dot() == (avx512 and (vnni or bf16_))
+    assert has_dot_int8() == has_dot_int8(Build(amx=False)) == (avx512 and vnni)
+    assert has_dot(Build(dot_int8=False)) == (avx512 and bf16_) and not has_dot_int8(Build(dot_int8=False))
+    assert not has_dot(Build(dot=False)) and not has_dot(Build(filter=False))
+    assert not has_dot(Build(vec_bytes=32))
 
 
 def test_fused_threads_agree(seed: int) -> None:

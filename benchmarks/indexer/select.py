@@ -1,6 +1,6 @@
 """Indexer top-k selection time per prefill chunk vs context S: fused CPU kernel vs the torch path, and the
 kernel's default build (widest SIMD lanes: 512-bit with AVX-512; the AMX tile filter where the CPU has AMX, else
-the VDPBF16PS filter where it has AVX512_BF16, else the FMA filter) vs builds without them.
+the dot filter where it has AVX512_VNNI (int8) or AVX512_BF16 (bf16), else the FMA filter) vs builds without them.
 
 Inputs are real: a layer's indexer projects a prompt, so queries, keys and head weights have the model's
 distributions (keys LayerNormed and rotated, SSMax on queries). Default: layer 0 of the random tiny model
@@ -45,18 +45,25 @@ from benchmarks.needle.prompt import PromptBuilder
 from benchmarks.needle.tokens import LocalCounter
 
 
-BASELINES = {   # other builds of the kernel, timed against the default (widest lanes, AMX, VDPBF16PS or FMA filter)
+BASELINES = {   # other builds of the kernel, timed against the default (widest lanes, AMX, dot or FMA filter)
     "256bit_unfiltered (the kernel before all filters)": indexer_topk.Build(vec_bytes=32, filter=False),
     "unfiltered": indexer_topk.Build(filter=False),
-    "fma_filter (no bf16 filter)": indexer_topk.FMA_FILTER,
+    "fma_filter (no tile or dot filter)": indexer_topk.FMA_FILTER,
 }
 if indexer_topk.has_amx():   # else the default build is this one
-    BASELINES["dpbf16_filter (no AMX)"] = indexer_topk.Build(amx=False)
+    BASELINES["dot_filter (no AMX)"] = indexer_topk.Build(amx=False)
+if indexer_topk.has_dot_int8(indexer_topk.Build(amx=False)) and indexer_topk.has_dot(DOT_BF16 := indexer_topk.Build(
+        amx=False, dot_int8=False)):
+    BASELINES["dot_bf16_filter (VDPBF16PS, no AMX)"] = DOT_BF16
 
 
 def default_filter() -> str:
     """The filter of full rows in the default build here (for HI x dI large enough: see indexer_topk.cpp)."""
-    return "amx" if indexer_topk.has_amx() else "dpbf16" if indexer_topk.has_dpbf16() else "fma"
+    if indexer_topk.has_amx():
+        return "amx"
+    if indexer_topk.has_dot():
+        return "dot_int8" if indexer_topk.has_dot_int8() else "dot_bf16"
+    return "fma"
 
 
 def timed(fn) -> tuple[object, float, float]:

@@ -20,11 +20,13 @@
 // bound (filter_slack) is wider than the FMA filter's, so more vectors are scored exactly; selections and scores
 // are the exact ones either way.
 //
-// Where the CPU has AVX512_BF16 and the AMX filter does not run, the filter of full rows is the same arithmetic in
-// vectors (dp_sum): VDPBF16PS multiplies a broadcast pair of q~'s dims by 16 keys' bf16 pairs (the block's keys
-// are converted once into per-16-key pair rows, as for the tiles) and adds both products to each key's fp32 sum,
-// so a 16-key vector costs HI x dI / 2 instructions per row instead of HI x dI FMAs; the heads' ReLU'd dots are
-// then summed with FMA, and the vectors within the bound of the threshold are scored exactly.
+// Where the AMX filter does not run, the filter of full rows is a dot filter in vectors (dp_sum). With AVX512_VNNI
+// it multiplies int8: VPDPBUSD multiplies a broadcast quad of q~'s dims (q rounded to int8 per head, times one
+// scale) by 16 keys' int8 quads (the block's keys converted once, one scale per block) and adds the four products
+// to each key's int32 sum, exactly, so a 16-key vector costs HI x dI / 4 instructions per row. Without it
+// (-DDPINT8=0), VDPBF16PS does the same with bf16 pairs into fp32 sums (HI x dI / 2), the tile filter's
+// arithmetic. The heads' ReLU'd dots are then summed with FMA, and the vectors within the bound of the threshold
+// are scored exactly.
 //
 // Keys are paged: each query row belongs to a segment (a request), whose logical key j lives in a shared arena
 // at row table[seg][j / page_tokens] * page_tokens + j % page_tokens. Only the key addressing depends on it: a
@@ -41,6 +43,8 @@
 #include <cstring>
 #include <limits>
 #include <new>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #ifdef __AVX__
@@ -64,16 +68,27 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
-// The VDPBF16PS filter: the tile filter's arithmetic (bf16 q and keys, exact products, fp32 sums) in AVX-512
-// vectors of 16 keys, for rows the AMX filter does not take; with AVX512_BF16 and 512-bit lanes, unless filters
-// are off or -DDPBF16=0 (benchmarks).
-#ifndef DPBF16
-#if defined(__AVX512BF16__) && defined(__AVX512F__) && (!defined(FILTER) || FILTER) && \
+// The dot filter: AVX-512 vectors of 16 keys, for rows the AMX filter does not take; with 512-bit lanes and
+// AVX512_VNNI (int8, DPINT8) or AVX512_BF16 (bf16, the tile filter's arithmetic), unless filters are off or -DDOT=0
+// (benchmarks). -DDPINT8=0 picks bf16 where the CPU has both.
+#ifndef DOT
+#if (defined(__AVX512BF16__) || defined(__AVX512VNNI__)) && defined(__AVX512F__) && (!defined(FILTER) || FILTER) && \
     (!defined(VEC_BYTES) || VEC_BYTES == 64)
-#define DPBF16 1
+#define DOT 1
 #else
-#define DPBF16 0
+#define DOT 0
 #endif
+#endif
+#ifndef DPINT8
+#if DOT && defined(__AVX512VNNI__)
+#define DPINT8 1
+#else
+#define DPINT8 0
+#endif
+#endif
+#if DOT && !DPINT8 && !defined(__AVX512BF16__)
+#undef DOT
+#define DOT 0
 #endif
 
 namespace {
@@ -96,12 +111,13 @@ struct E4M3 {
 };
 const E4M3 E4M3_VALUES;
 
-#if DPBF16
-// The VDPBF16PS filter pays from HI x dI = 32 up (benchmarks/indexer/select.py, one thread, against the FMA
-// filter): 0.58-0.62x the time with 128 (needle-ml4 at 512k-1M keys), 0.81-0.91x with 32 (the random tiny model);
-// on random inputs with 8-16 it gains less (0.91-0.98x). -DDPBF16_MIN_WORK=1 makes every shape take it (tests).
-#ifndef DPBF16_MIN_WORK
-#define DPBF16_MIN_WORK 32
+#if DOT
+// The dot filter pays from HI x dI = 32 up (benchmarks/indexer/select.py, one thread, against the FMA filter): in
+// bf16, 0.58-0.62x the time with 128 (needle-ml4 at 512k-1M keys), 0.81-0.91x with 32 (the random tiny model); on
+// random inputs with 8-16 it gains less (0.91-0.98x). The int8 filter takes the same threshold (measured with
+// 128 only: 0.80-0.91x the bf16 filter's time). -DDOT_MIN_WORK=1 makes every shape take it (tests).
+#ifndef DOT_MIN_WORK
+#define DOT_MIN_WORK 32
 #endif
 #endif
 
@@ -128,7 +144,7 @@ struct TileConfig {
 };
 #endif
 
-#if AMX || DPBF16
+#if AMX || DOT
 
 // fp32 -> bf16, rounded to nearest even (NaN stays NaN; denormals kept): within 2^-8 relative of x (8-bit
 // significands) for normal values.
@@ -361,41 +377,43 @@ struct Indexer {
     // the positive heads' exact sum, which is within slack/2 of the FMA one (filter_slack), so a skipped key's
     // exact score is <= thr and it could not have entered. Selections and scores stay exact.
     //
-    // With the VDPBF16PS filter (kb16: the block's keys as bf16 pairs, ek their largest residual; qp: the row's
-    // q~ pairs), a full row's group is summed with dp_sum instead, positive heads first (their sum bounds the
+    // With the dot filter (dk: the block's keys as dot words, ek their largest residual; dr: the row's q~ words),
+    // a full row's group is summed with dp_sum instead, positive heads first (their sum bounds the
     // score: the other heads are added only to the halves of the group, 4 vectors each, that it does not rule
     // out), and the vectors with a lane above thr - its slack (bf_q |k| + bf_e ek + bf_abs) are scored exactly.
     // Rows without a positive head take it too while their threshold is below 0 (at 0 they are done).
     void scan(Row& r, const int64_t* pos_heads, const int64_t* all_heads, const T* kt, int64_t base, int64_t n_blk,
-              T kmax, const uint16_t* kb16 = nullptr, const uint32_t* qp = nullptr, T ek = 0) const {
+              T kmax, const void* dk = nullptr, const void* dr = nullptr) const {
         const int64_t n_pos = r.n_pos;
         const T slack = r.slack_q * kmax + r.slack_abs;
         const bool filter = filtered && slack < std::numeric_limits<T>::infinity();   // not for inf / NaN inputs
-#if DPBF16
-        const bool dp = kb16 && bf_fits(r, kmax, ek);
-        const T dslack = dp ? r.bf_q * kmax + r.bf_e * ek + r.bf_abs : T(0);
+#if DOT
+        const DotKeys* keys = (const DotKeys*)dk;
+        const bool dp = keys && bf_fits(r, kmax, keys->ek);
+        const T dslack = dp ? r.bf_q * kmax + r.bf_e * keys->ek + r.bf_abs : T(0);
 #else
-        (void)kb16, (void)qp, (void)ek;
+        (void)dk, (void)dr;
 #endif
         for (int64_t j = 0; j < n_blk; j += G) {
             const T* g = kt + j * dI;
-#if DPBF16
+#if DOT
             if constexpr (sizeof(T) == 4)
                 if (dp && r.count == k && (n_pos > 0 || r.thr < T(0))) {   // pos_heads: positive heads, then the rest
                     const __m512 lim = _mm512_set1_ps(r.thr - dslack);
-                    const uint16_t* kg = kb16 + j / 16 * dp_dims() * 16;
+                    const DotRow& q = *(const DotRow*)dr;
+                    const uint32_t* kg = keys->words + j * dp_words();
                     __m512 d[U];
                     int64_t h0 = 0;
                     unsigned halves = 3;   // bit h: vectors 4h .. 4h + 3 still in
                     if (n_pos > 0 && n_pos < HI) {   // the positive heads' sum bounds the score: add the rest
-                        dp_sum(qp, r.w, pos_heads, n_pos, kg, true, d);   // only to the halves it leaves in
+                        dp_sum(q, keys->scale, pos_heads, n_pos, kg, true, d);   // only to the halves it leaves in
                         halves = 0;
                         for (int u = 0; u < U; ++u)
                             if (_mm512_cmp_ps_mask(d[u], lim, _CMP_NLE_UQ)) halves |= 1u << (u / 4);
                         if (!halves) continue;
                         h0 = n_pos;
                     }
-                    dp_sum(qp, r.w, pos_heads + h0, HI - h0, kg, h0 == 0, d, halves);
+                    dp_sum(q, keys->scale, pos_heads + h0, HI - h0, kg, h0 == 0, d, halves);
                     for (int u = 0; u < U; ++u)   // NaN sums (unordered) go on too
                         if (halves >> (u / 4) & 1 && _mm512_cmp_ps_mask(d[u], lim, _CMP_NLE_UQ))
                             offer(r, exact_one(r.q, r.w, g + u * L), j + u * L, n_blk, base);
@@ -525,7 +543,7 @@ struct Indexer {
     bool amx_fits(const Row& r, T kmax, T ek) const { return r.count == k && !r.done && bf_fits(r, kmax, ek); }
 #endif
 
-#if AMX || DPBF16
+#if AMX || DOT
     // Whether a row's block may go through a bf16 filter: its slack is finite and its fp32 sums cannot overflow
     // (|q_h| |k| and sum_h |w_h| |q_h| |k| far below the fp32 range); else it takes the FMA filter.
     bool bf_fits(const Row& r, T kmax, T ek) const {
@@ -557,74 +575,156 @@ struct Indexer {
     }
 #endif
 
-#if DPBF16
-    // dI padded to even: the dims of dp_sum's q~ and key pairs
-    int64_t dp_dims() const { return dI + dI % 2; }
+#if DOT
+    // The dot filter's inputs. A row's q~ (DotRow): words [HI, dp_words()] (bf16 pairs, or int8 quads q8 with
+    // q~_h = s_h q8_h, s_h: the head's scale), the int8 sums' start per head (-128 sum_d q8_hd: the keys are
+    // stored as unsigned k8 + 128), and each head's weight (w_h, or fl(w_h s_h) for int8: the block's key scale
+    // multiplies it in dp_heads). A block's keys (DotKeys): per 16 keys, dp_words() rows of 16 words (key n: its
+    // dims 2p, 2p + 1 or 4p .. 4p + 3 in word n of row p; zero past dI), the int8 keys' scale (k~ = scale k8; 1 for
+    // bf16) and ek, the largest |k~ - k| of a key of the block.
+    struct DotRow {
+        const uint32_t* q;
+        const int32_t* off;
+        const T* w;
+    };
+    struct DotKeys {
+        const uint32_t* words;
+        T scale, ek;
+    };
 
-    // The VDPBF16PS filter's sums for NH heads hs[0 .. NH) and V vectors of 16 keys: per head, the dot of q~_h
-    // (qp: the row's q~ as pairs [HI, P]) with each key's bf16 pairs (kg: V vectors cs uint16 apart, each [P, 16]
-    // pairs), one instruction per dim pair, a q pair broadcast against 16 keys; then s[v] = FMA sum of w_h
-    // relu(dot_h) over the heads in order, after s[v]'s own value unless `first`. SP = 2 splits each dot into two
-    // sums (even and odd pairs) added at the end, so that 12-16 sums are in flight where NH x V is 4 or 8 (the
-    // instruction's latency is ~12 of its issue slots). ReLU as max(0, dot): a NaN dot stays NaN, so its keys are
-    // scored exactly.
+    // The words per head or key: dims padded to a multiple of 4 (int8 quads) or 2 (bf16 pairs), over 4 or 2.
+    int64_t dp_words() const { return DPINT8 ? (dI + 3) / 4 : (dI + 1) / 2; }
+
+#if DPINT8
+    // The int8 scale of n values: max |x| / 127, so that x / scale rounds into -127 .. 127 (0 when every x is 0);
+    // NaN when one is not finite (the bound is then not finite, and the FMA filter runs: bf_fits).
+    static float int8_scale(const T* x, int64_t n) {
+        float m = 0;
+        for (int64_t i = 0; i < n; ++i) {
+            const float a = std::abs(float(x[i]));
+            if (!(a <= std::numeric_limits<float>::max())) return std::numeric_limits<float>::quiet_NaN();
+            m = std::max(m, a);
+        }
+        return m / 127;
+    }
+
+    // x as a multiple of scale, rounded (x~ = scale * the result): 0 when scale is not > 0.
+    static int32_t int8_of(T x, float scale) {
+        return scale > 0 ? int32_t(std::clamp(std::nearbyint(float(x) / scale), -127.0f, 127.0f)) : 0;
+    }
+
+    // The block's keys (kt: groups of G, each [dI, G], zero-padded) -> kw: quads of unsigned k8 + 128 (as
+    // DotKeys), one scale for the block. Returns (scale, the largest |k~ - k|, rounded up).
+    std::pair<T, T> to_quads(const T* kt, int64_t nb, uint32_t* kw) const {
+        const int64_t n_chunks = (nb + G - 1) / G * (G / 16), W = dp_words();
+        const int64_t n_keys = (nb + G - 1) / G * G;
+        const float scale = int8_scale(kt, n_keys * dI);
+        double e2[16], worst = 0;
+        for (int64_t c = 0; c < n_chunks; ++c) {
+            const T* g = kt + c * 16 / G * G * dI + c * 16 % G;
+            uint8_t* out = (uint8_t*)(kw + c * W * 16);
+            std::fill(e2, e2 + 16, 0.0);
+            for (int64_t d = 0; d < 4 * W; ++d)
+                for (int64_t n = 0; n < 16; ++n) {
+                    const int32_t x = d < dI ? int8_of(g[d * G + n], scale) : 0;
+                    out[d / 4 * 64 + n * 4 + d % 4] = uint8_t(x + 128);
+                    if (d < dI) {
+                        const double e = double(x) * scale - double(g[d * G + n]);
+                        e2[n] += e * e;
+                    }
+                }
+            for (int n = 0; n < 16; ++n) worst = std::max(worst, e2[n]);
+        }
+        return {T(scale), scale >= 0 ? T(std::sqrt(worst) * (1 + 1e-6)) : std::numeric_limits<T>::infinity()};
+    }
+#endif
+
+    // The dot filter's sums for NH heads hs[0 .. NH) and V vectors of 16 keys: per head, the dot of q~_h (q.q
+    // [HI, W] words) with each key's words (kg: V vectors cs words apart, each [W, 16]), one instruction per word,
+    // a q word broadcast against 16 keys: VPDPBUSD (int8: four exact products into an int32 sum started at the
+    // head's offset, which removes the keys' +128) or VDPBF16PS (bf16: two into an fp32 sum); then s[v] = FMA sum
+    // of w_h relu(dot_h) over the heads in order (int8: fl(w_h s_h) times the keys' scale, times relu of the exact
+    // integer dot, converted exactly), after s[v]'s own value unless `first`. SP = 2 splits each dot into two sums
+    // (even and odd words) added at the end, so that 12-16 sums are in flight where NH x V is 4 or 8 (the
+    // instruction's latency is several of its issue slots). ReLU as max(0, dot): a NaN bf16 dot stays NaN, so its
+    // keys are scored exactly.
     template <int NH, int V, int SP>
-    void dp_heads(const uint32_t* qp, int64_t P, const T* w, const int64_t* hs, const uint16_t* kg, int64_t cs,
-                  bool first, __m512* s) const {
+    void dp_heads(const DotRow& q, int64_t W, T scale, const int64_t* hs, const uint32_t* kg, int64_t cs, bool first,
+                  __m512* s) const {
+#if DPINT8
+        __v16si a[SP][NH][V];   // int32 lanes (as __m512i, GCC copies each sum around every instruction)
+#else
         __m512 a[SP][NH][V];
+#endif
         const uint32_t* qh[NH];
         for (int i = 0; i < NH; ++i) {
-            qh[i] = qp + hs[i] * P;
+            qh[i] = q.q + hs[i] * W;
             for (int v = 0; v < V; ++v)
-                for (int e = 0; e < SP; ++e) a[e][i][v] = _mm512_setzero_ps();
+                for (int e = 0; e < SP; ++e)
+#if DPINT8
+                    a[e][i][v] = __v16si{};
+#else
+                    a[e][i][v] = _mm512_setzero_ps();
+#endif
         }
         auto step = [&](int64_t p, int e) {
-            __m512bh kv[V];
+            __m512i kv[V];
             for (int v = 0; v < V; ++v) {
-                __m512i x = _mm512_load_si512(kg + v * cs + p * 32);
+                __m512i x = _mm512_load_si512(kg + v * cs + p * 16);
                 __asm__("" : "+v"(x));   // kept in a register for all NH heads (GCC would reload it per head)
-                kv[v] = (__m512bh)x;
+                kv[v] = x;
             }
             for (int i = 0; i < NH; ++i) {
-                const __m512bh qv = (__m512bh)_mm512_set1_epi32(int(qh[i][p]));
-                for (int v = 0; v < V; ++v) a[e][i][v] = _mm512_dpbf16_ps(a[e][i][v], qv, kv[v]);
+                const __m512i qv = _mm512_set1_epi32(int(qh[i][p]));
+                for (int v = 0; v < V; ++v)
+#if DPINT8
+                    a[e][i][v] = (__v16si)_mm512_dpbusd_epi32((__m512i)a[e][i][v], kv[v], qv);   // unsigned keys,
+                                                                                                // signed q
+#else
+                    a[e][i][v] = _mm512_dpbf16_ps(a[e][i][v], (__m512bh)qv, (__m512bh)kv[v]);
+#endif
             }
         };
         int64_t p = 0;
-        for (; p + SP <= P; p += SP)
+        for (; p + SP <= W; p += SP)
             for (int e = 0; e < SP; ++e) step(p + e, e);
-        for (; p < P; ++p) step(p, 0);
+        for (; p < W; ++p) step(p, 0);
         for (int i = 0; i < NH; ++i) {
-            const __m512 wv = _mm512_set1_ps(float(w[hs[i]]));
+            const __m512 wv = _mm512_set1_ps(float(q.w[hs[i]] * scale));
             for (int v = 0; v < V; ++v) {
+#if DPINT8
+                const __v16si dot = (SP == 2 ? a[0][i][v] + a[SP - 1][i][v] : a[0][i][v]) + q.off[hs[i]];
+                const __m512 r = _mm512_cvtepi32_ps(_mm512_max_epi32((__m512i)dot, _mm512_setzero_si512()));
+#else
                 const __m512 dot = SP == 2 ? _mm512_add_ps(a[0][i][v], a[SP - 1][i][v]) : a[0][i][v];
                 const __m512 r = _mm512_max_ps(_mm512_setzero_ps(), dot);
+#endif
                 s[v] = first && i == 0 ? _mm512_mul_ps(r, wv) : _mm512_fmadd_ps(r, wv, s[v]);
             }
         }
     }
 
-    // s[u] (u < U = 8: the vectors of one group; kg: its key pairs) = the FMA sum over heads hs[0 .. nh) of
-    // w_h relu(dot~_h), after s[u]'s own value unless `first`: within filter_slack's bf16 bound of the exact sum
-    // over those heads. Only the halves of the group (vectors 0-3, 4-7) set in `halves` (bits 0, 1). Up to 4 heads
-    // per pass, 12-16 sums in flight, each key vector loaded once per pass.
-    void dp_sum(const uint32_t* qp, const T* w, const int64_t* hs, int64_t nh, const uint16_t* kg, bool first,
-                __m512* s, unsigned halves = 3) const {
+    // s[u] (u < U = 8: the vectors of one group; kg: its key words) = the FMA sum over heads hs[0 .. nh) of
+    // w_h relu(dot~_h), after s[u]'s own value unless `first`: within filter_slack's dot-filter bound of the exact
+    // sum over those heads. Only the halves of the group (vectors 0-3, 4-7) set in `halves` (bits 0, 1). Up to 4
+    // heads per pass, 12-16 sums in flight, each key vector loaded once per pass.
+    void dp_sum(const DotRow& q, T scale, const int64_t* hs, int64_t nh, const uint32_t* kg, bool first, __m512* s,
+                unsigned halves = 3) const {
         static_assert(U == 8, "dp_sum covers a group as 2 x 4 or 8 vectors");
-        const int64_t P = dp_dims() / 2, cs = dp_dims() * 16;
+        const int64_t W = dp_words(), cs = W * 16;
         for (int64_t i = 0; i < nh;) {
             const bool f = first && i == 0;
             const int64_t n = std::min<int64_t>(nh - i, 4);
             if (n <= 2 && halves == 3) {
-                if (n == 1) dp_heads<1, 8, 2>(qp, P, w, hs + i, kg, cs, f, s);
-                else dp_heads<2, 8, 1>(qp, P, w, hs + i, kg, cs, f, s);
+                if (n == 1) dp_heads<1, 8, 2>(q, W, scale, hs + i, kg, cs, f, s);
+                else dp_heads<2, 8, 1>(q, W, scale, hs + i, kg, cs, f, s);
             } else {
                 for (int hf = 0; hf < 2; ++hf)
                     if (halves >> hf & 1) switch (n) {
-                        case 1: dp_heads<1, 4, 2>(qp, P, w, hs + i, kg + 4 * hf * cs, cs, f, s + 4 * hf); break;
-                        case 2: dp_heads<2, 4, 2>(qp, P, w, hs + i, kg + 4 * hf * cs, cs, f, s + 4 * hf); break;
-                        case 3: dp_heads<3, 4, 1>(qp, P, w, hs + i, kg + 4 * hf * cs, cs, f, s + 4 * hf); break;
-                        default: dp_heads<4, 4, 1>(qp, P, w, hs + i, kg + 4 * hf * cs, cs, f, s + 4 * hf);
+                        case 1: dp_heads<1, 4, 2>(q, W, scale, hs + i, kg + 4 * hf * cs, cs, f, s + 4 * hf); break;
+                        case 2: dp_heads<2, 4, 2>(q, W, scale, hs + i, kg + 4 * hf * cs, cs, f, s + 4 * hf); break;
+                        case 3: dp_heads<3, 4, 1>(q, W, scale, hs + i, kg + 4 * hf * cs, cs, f, s + 4 * hf); break;
+                        default: dp_heads<4, 4, 1>(q, W, scale, hs + i, kg + 4 * hf * cs, cs, f, s + 4 * hf);
                     }
             }
             i += n;
@@ -657,8 +757,18 @@ struct Indexer {
     // for tiles, a margin kept from before; the residual terms, exact by Cauchy-Schwarz, dominate B). B with its
     // (1 + 1e-6) factors is enough for the skip test: scan's lim = fl(thr - slack), slack >= B (1 + 1e-6) after
     // its own roundings, so a skipped key's exact score E <= s + B <= lim + B < thr + 2^-24 |thr|, and the float
-    // next above thr lies at least that far: E <= thr, and the key could not have entered. dims = 0: the row
-    // takes no bf16 filter.
+    // next above thr lies at least that far: E <= thr, and the key could not have entered.
+    //
+    // The int8 dot filter (DPINT8, dp_sum) rounds q to q~_h = s_h q8_h per head and the block's keys to k~ = c k8
+    // (int8_of), and its integer dots q8_h . k8 are exact, as are their ReLU and their conversion to fp32 (|dot|
+    // <= D = dI 127^2 < 2^24). Per head and key:
+    //  - the residuals as for bf16: |q~_h . k~ - q_h . k| <= |q~_h| |k~ - k| + |q~_h - q_h| |k|;
+    //  - the head's factor fl(fl(w_h s_h) c) is w_h s_h c within two roundings, 2 x 2^-24 relative, and two
+    //    underflows, each < 2^-149 (1 + c) with c <= |k| / 127, times relu(dot) <= D;
+    //  - the FMA head sum rounds HI times, each within 2^-24 of a partial sum <= sum_h |w_h| |q~_h| |k~|, and
+    //    |k~| <= |k| + |k~ - k|, plus 2^-149 where a result underflows;
+    //  - the exact score is within (dI + HI) u sum_h |w_h| |q_h| |k| of the real one, as above.
+    // u = 2^-23 covers each 2^-24 with its (1 + 2^-24) factors. dims = 0: the row takes no dot or tile filter.
     void filter_slack(Row& r, int64_t dims, bool tiles) const {
         const double u = std::numeric_limits<T>::epsilon();   // 2x the unit roundoff
         double a = 0, wsum = 0, qmax = 0;
@@ -673,8 +783,28 @@ struct Indexer {
         r.slack_q = T(2 * (dI + HI + 2) * u * a * (1 + 1e-6));
         r.slack_abs = T(2 * (wsum + 1) * (2 * dI + 2 * HI + 2) * dm) + std::numeric_limits<T>::denorm_min();
         r.a = a, r.qmax = qmax;
-#if AMX || DPBF16
-        if constexpr (sizeof(T) == 4)
+#if AMX || DOT
+        if constexpr (sizeof(T) == 4) {
+#if DPINT8
+            if (dims > 0 && !tiles) {
+                double wqt = 0, weq = 0;   // sum_h |w_h| |q~_h|, sum_h |w_h| |q~_h - q_h|
+                for (int64_t h = 0; h < HI; ++h) {
+                    const float sh = int8_scale(r.q + h * dI, dI);
+                    double t2 = 0, e2 = 0;
+                    for (int64_t d = 0; d < dI; ++d) {
+                        const double x = r.q[h * dI + d], xq = double(int8_of(r.q[h * dI + d], sh)) * sh;
+                        t2 += xq * xq, e2 += (xq - x) * (xq - x);
+                    }
+                    wqt += std::abs(double(r.w[h])) * std::sqrt(t2);
+                    weq += std::abs(double(r.w[h])) * std::sqrt(e2);
+                }
+                const double up = 1 + 1e-6, D = double(dI) * 127 * 127;
+                r.bf_q = T((weq + (dI + HI + 2) * u * a + (HI + 3) * u * wqt + HI * dm * D / 64) * up * up);
+                r.bf_e = T(wqt * (1 + (HI + 3) * u) * up * up);
+                r.bf_abs = T(HI * (D + 2) * dm * up * up) + r.slack_abs;
+                return;
+            }
+#endif
             if (dims > 0) {
                 double wqt = 0, weq = 0;   // sum_h |w_h| |q~_h|, sum_h |w_h| |q~_h - q_h|
                 for (int64_t h = 0; h < HI; ++h) {
@@ -700,6 +830,7 @@ struct Indexer {
                 r.bf_e = T(m * resid_k * up * up);
                 r.bf_abs = T(m * (daz_k + flushes) * up * up) + r.slack_abs;
             }
+        }
 #endif
     }
 
@@ -832,15 +963,18 @@ struct Indexer {
             _tile_loadconfig(&cfg);
         }
 #endif
-#if DPBF16
-        // the VDPBF16PS filter, where AMX does not run: the rows' q~ as pairs [HI, P] (qd), a block's keys as
-        // pairs per 16 keys [P, 16] (kd, 64-byte aligned)
-        const bool dp = sizeof(T) == 4 && !amx && HI * dI >= DPBF16_MIN_WORK;
-        const int64_t P = dp_dims() / 2;
-        std::vector<uint32_t> qd(dp ? TILE_ROWS * HI * P : 0);
-        std::vector<uint16_t> kd_buf(dp ? kb * dp_dims() + 32 : 0);
-        uint16_t* kd = (uint16_t*)(((uintptr_t)kd_buf.data() + 63) & ~uintptr_t(63));
-        if (dp) dims = dp_dims();
+#if DOT
+        // the dot filter, where AMX does not run (int8: while an exact integer dot fits fp32, dI <= 1040): the
+        // rows' q~ words [HI, W] (qd), int8 offsets (qo) and head weights (qw); a block's keys as words per 16 keys
+        // [W, 16] (kd, 64-byte aligned)
+        const bool dp = sizeof(T) == 4 && !amx && HI * dI >= DOT_MIN_WORK && (!DPINT8 || dI <= 1040);
+        const int64_t W = dp_words();
+        std::vector<uint32_t> qd(dp ? TILE_ROWS * HI * W : 0), kd_buf(dp ? kb * W + 16 : 0);
+        std::vector<int32_t> qo(dp ? TILE_ROWS * HI : 0);
+        std::vector<T> qw(dp ? TILE_ROWS * HI : 0);
+        std::vector<DotRow> dot_rows(dp ? TILE_ROWS : 0);
+        uint32_t* kd = (uint32_t*)(((uintptr_t)kd_buf.data() + 63) & ~uintptr_t(63));
+        if (dp) dims = 2 * W;   // bf16: dI padded to even
 #endif
         for (int64_t t0 = 0, nt; t0 < n_rows; t0 += nt) {
             const int64_t seg = row_seg[rows[t0]];
@@ -863,14 +997,34 @@ struct Indexer {
                     for (int64_t h = 0; h < HI; ++h)
                         for (int64_t d = 0; d < dI; ++d) qb[(i * HI + h) * dIp + d] = bf16(float(r.q[h * dI + d]));
 #endif
-#if DPBF16
-                if (dp)   // pair p of head h: dims 2p (low half), 2p + 1 (high half; 0 past dI)
-                    for (int64_t h = 0; h < HI; ++h)
-                        for (int64_t p = 0; p < P; ++p) {
-                            const T* x = r.q + h * dI + 2 * p;
-                            const uint32_t hi = 2 * p + 1 < dI ? bf16(float(x[1])) : 0;
-                            qd[(i * HI + h) * P + p] = bf16(float(x[0])) | hi << 16;
+#if DOT
+                if (dp) {
+                    uint32_t* words = &qd[i * HI * W];
+                    for (int64_t h = 0; h < HI; ++h) {
+                        const T* x = r.q + h * dI;
+#if DPINT8   // word p of head h: q8 of dims 4p .. 4p + 3 (byte e: dim 4p + e; 0 past dI)
+                        const float sh = int8_scale(x, dI);
+                        int32_t sum = 0;
+                        for (int64_t p = 0; p < W; ++p) {
+                            uint32_t word = 0;
+                            for (int64_t e = 0; e < 4 && 4 * p + e < dI; ++e) {
+                                const int32_t v = int8_of(x[4 * p + e], sh);
+                                sum += v, word |= uint32_t(uint8_t(int8_t(v))) << (8 * e);
+                            }
+                            words[h * W + p] = word;
                         }
+                        qo[i * HI + h] = -128 * sum;
+                        qw[i * HI + h] = T(float(r.w[h]) * sh);
+#else        // word p of head h: bf16 of dims 2p (low half), 2p + 1 (high half; 0 past dI)
+                        for (int64_t p = 0; p < W; ++p) {
+                            const uint32_t hi = 2 * p + 1 < dI ? bf16(float(x[2 * p + 1])) : 0;
+                            words[h * W + p] = bf16(float(x[2 * p])) | hi << 16;
+                        }
+                        qw[i * HI + h] = r.w[h];
+#endif
+                    }
+                    dot_rows[i] = DotRow{words, &qo[i * HI], &qw[i * HI]};
+                }
 #endif
             }
             for (int64_t b0 = 0; b0 < n_max; b0 += kb) {
@@ -907,24 +1061,30 @@ struct Indexer {
                     }
                 }
 #endif
-                const uint16_t* pairs = nullptr;   // the block's keys for dp_sum, if a row can be full in it
-                T ek = 0;
-#if DPBF16
+#if DOT
+                DotKeys dot_keys{kd, T(1), T(0)};   // the block's keys for dp_sum, if a row can be full in it
+                bool dot = false;
                 if (dp) {
-                    bool any = false;
                     for (int64_t i = 0; i < nt; ++i)
-                        any |= !tile[i].done && tile[i].n > b0 && tile[i].count + std::min(kb, tile[i].n - b0) >= k;
-                    if (any) ek = to_pairs(kt, nb, dp_dims(), kd), pairs = kd;
+                        dot |= !tile[i].done && tile[i].n > b0 && tile[i].count + std::min(kb, tile[i].n - b0) >= k;
+#if DPINT8
+                    if (dot) std::tie(dot_keys.scale, dot_keys.ek) = to_quads(kt, nb, kd);
+#else
+                    if (dot) dot_keys.ek = to_pairs(kt, nb, 2 * W, (uint16_t*)kd);
+#endif
                 }
 #endif
                 for (int64_t i = 0; i < nt; ++i) {
                     Row& r = tile[i];
                     if (r.done || r.n <= b0 || amx_rows[i]) continue;
-                    const uint32_t* qp = nullptr;
-#if DPBF16
-                    if (pairs) qp = &qd[i * HI * P];
+#if DOT
+                    if (dot) {
+                        scan(r, &heads[i * HI], all_heads.data(), kt, b0, std::min(kb, r.n - b0), kmax, &dot_keys,
+                             &dot_rows[i]);
+                        continue;
+                    }
 #endif
-                    scan(r, &heads[i * HI], all_heads.data(), kt, b0, std::min(kb, r.n - b0), kmax, pairs, qp, ek);
+                    scan(r, &heads[i * HI], all_heads.data(), kt, b0, std::min(kb, r.n - b0), kmax);
                 }
             }
             for (int64_t i = 0; i < nt; ++i) {
@@ -991,8 +1151,11 @@ int indexer_topk_f32(const float* q, const float* w, const float* keys, const in
 
 int indexer_vec_bytes() { return VEC_BYTES; }
 
-// Whether the VDPBF16PS filter is built in (it runs where the AMX filter does not, HI x dI >= DPBF16_MIN_WORK).
-int indexer_dpbf16() { return DPBF16; }
+// Whether the dot filter is built in (it runs where the AMX filter does not, HI x dI >= DOT_MIN_WORK).
+int indexer_dot() { return DOT; }
+
+// Whether the dot filter multiplies int8 (VPDPBUSD) rather than bf16 (VDPBF16PS).
+int indexer_dot_int8() { return DPINT8; }
 
 int indexer_amx() {
 #if AMX

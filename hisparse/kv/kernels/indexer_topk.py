@@ -32,31 +32,33 @@ FUNCTIONS = {torch.float32: "indexer_topk_f32", torch.float64: "indexer_topk_f64
 class Build:
     """A build of the kernel. vec_bytes: SIMD width (32 or 64; None = the widest the CPU has, 64 with AVX-512);
     filter: the FMA filter before exact scoring; amx: where the CPU has AMX (and 64-byte lanes), the bf16 tile
-    filter in its place for rows whose heaps are full; dpbf16: where the CPU has AVX512_BF16 (and 64-byte lanes),
-    the VDPBF16PS filter in its place where the tile filter does not run; dpbf16_min_work: the least HI x dI that
-    takes the VDPBF16PS filter (None: the measured threshold, see indexer_topk.cpp; 1: every shape, for tests).
+    filter in its place for rows whose heaps are full; dot: where the CPU has AVX512_VNNI or AVX512_BF16 (and
+    64-byte lanes), the dot filter in its place where the tile filter does not run; dot_int8: the dot filter
+    multiplies int8 (VPDPBUSD) where the CPU has AVX512_VNNI, else bf16 (VDPBF16PS); dot_min_work: the least
+    HI x dI that takes the dot filter (None: the measured threshold, see indexer_topk.cpp; 1: every shape).
     Every build selects the same keys with the same scores; the default is the fastest, the others are for
     benchmarks/indexer/select.py (32 bytes unfiltered = the kernel before all filters) and the tests."""
     vec_bytes: int | None = None
     filter: bool = True
     amx: bool = True
-    dpbf16: bool = True
-    dpbf16_min_work: int | None = None
+    dot: bool = True
+    dot_int8: bool = True
+    dot_min_work: int | None = None
 
     def defines(self) -> list[str]:
         if self.vec_bytes not in (None, 32, 64):
             raise ValueError(f"vec_bytes must be None, 32 or 64, not {self.vec_bytes}")
-        if self.dpbf16_min_work is not None and (isinstance(self.dpbf16_min_work, bool)
-                                                 or not isinstance(self.dpbf16_min_work, int)):
-            raise ValueError(f"dpbf16_min_work must be None or an int, not {self.dpbf16_min_work!r}")
+        if self.dot_min_work is not None and (isinstance(self.dot_min_work, bool)
+                                              or not isinstance(self.dot_min_work, int)):
+            raise ValueError(f"dot_min_work must be None or an int, not {self.dot_min_work!r}")
         return ([] if self.vec_bytes is None else [f"-DVEC_BYTES={self.vec_bytes}"]) + \
             ([] if self.filter else ["-DFILTER=0"]) + ([] if self.amx else ["-DAMX=0"]) + \
-            ([] if self.dpbf16 else ["-DDPBF16=0"]) + \
-            ([] if self.dpbf16_min_work is None else [f"-DDPBF16_MIN_WORK={self.dpbf16_min_work}"])
+            ([] if self.dot else ["-DDOT=0"]) + ([] if self.dot_int8 else ["-DDPINT8=0"]) + \
+            ([] if self.dot_min_work is None else [f"-DDOT_MIN_WORK={self.dot_min_work}"])
 
 
-# the FMA filter alone (no bf16 filter): the baseline the bf16 filters are timed against
-FMA_FILTER = Build(amx=False, dpbf16=False)
+# the FMA filter alone (no tile or dot filter): the baseline the others are timed against
+FMA_FILTER = Build(amx=False, dot=False)
 
 
 @cache
@@ -82,11 +84,17 @@ def has_amx(build: Build = Build()) -> bool:
     return lib is not None and bool(lib.indexer_amx())
 
 
-def has_dpbf16(build: Build = Build()) -> bool:
-    """Whether `build` has the VDPBF16PS filter here (the CPU has AVX512_BF16 and the build 64-byte lanes and
-    filters): it filters full rows wherever the AMX filter does not run and HI x dI reaches its threshold."""
+def has_dot(build: Build = Build()) -> bool:
+    """Whether `build` has the dot filter here (the CPU has AVX512_VNNI or AVX512_BF16 and the build 64-byte lanes
+    and filters): it filters full rows wherever the AMX filter does not run and HI x dI reaches its threshold."""
     lib = library(build)
-    return lib is not None and bool(lib.indexer_dpbf16())
+    return lib is not None and bool(lib.indexer_dot())
+
+
+def has_dot_int8(build: Build = Build()) -> bool:
+    """Whether `build`'s dot filter multiplies int8 (VPDPBUSD) here, rather than bf16."""
+    lib = library(build)
+    return lib is not None and bool(lib.indexer_dot_int8())
 
 
 def vec_bytes() -> int:
