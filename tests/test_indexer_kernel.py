@@ -246,6 +246,26 @@ def test_dot_filter_is_used_exactly_where_the_cpu_has_it() -> None:
     assert not has_dot(Build(vec_bytes=32))
 
 
+@pytest.mark.parametrize("build", BUILDS, ids=BUILD_IDS)
+def test_filters_keep_non_finite_inputs_exact(seed: int, build: Build) -> None:
+    """Keys or queries with inf or NaN entries: every filter (whose bounds are then not finite, so those rows or
+    blocks take exact scoring) selects what the unfiltered kernel selects, with the same scores."""
+    g = torch.Generator().manual_seed(seed)
+    for it in range(6):
+        q, wr, keys, n_visible = random_case(g, torch.float32, "normal", 30, 2000, 4, 32)
+        rows = torch.randint(0, 2000, (3,), generator=g)
+        if it % 3 == 0:
+            keys[rows[0], 3], keys[rows[1], 0] = float("inf"), float("-inf")
+        elif it % 3 == 1:
+            keys[rows[0], 5], keys[rows[1]] = float("nan"), 1e30
+        else:
+            q[3, 1, 2], q[7, 0, 0] = float("inf"), float("nan")
+        want_cols, want_scores = fused_topk(q, wr, keys, n_visible, 16, with_scores=True, build=Build(filter=False))
+        cols, scores = fused_topk(q, wr, keys, n_visible, 16, with_scores=True, build=build)
+        assert torch.equal(cols, want_cols), it
+        assert torch.equal(scores.nan_to_num(), want_scores.nan_to_num()), it
+
+
 def test_fused_threads_agree(seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     q, wr, keys, n_visible = random_case(g, torch.float32, "ties", 33, 3000, 3, 16)

@@ -596,16 +596,28 @@ struct Indexer {
     int64_t dp_words() const { return DPINT8 ? (dI + 3) / 4 : (dI + 1) / 2; }
 
 #if DPINT8
-    // The int8 scale of n values: max |x| / 127, so that x / scale rounds into -127 .. 127 (0 when every x is 0);
-    // NaN when one is not finite (the bound is then not finite, and the FMA filter runs: bf_fits).
+    // The int8 scale of n values: max |x| / 127, so that x / scale rounds into -127 .. 127 (0 when every x is
+    // 0); NaN when one is not finite (the bound is then not finite, and the FMA filter runs: bf_fits).
     static float int8_scale(const T* x, int64_t n) {
+        const float big = std::numeric_limits<float>::max();
         float m = 0;
-        for (int64_t i = 0; i < n; ++i) {
-            const float a = std::abs(float(x[i]));
-            if (!(a <= std::numeric_limits<float>::max())) return std::numeric_limits<float>::quiet_NaN();
-            m = std::max(m, a);
+        bool bad = false;
+        int64_t i = 0;
+        if constexpr (sizeof(T) == 4) {
+            __m512 mv = _mm512_setzero_ps();
+            __mmask16 b = 0;
+            for (; i + 16 <= n; i += 16) {
+                const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(x + i));
+                b |= _mm512_cmp_ps_mask(a, _mm512_set1_ps(big), _CMP_NLE_UQ);
+                mv = _mm512_max_ps(mv, a);
+            }
+            m = _mm512_reduce_max_ps(mv), bad = b;
         }
-        return m / 127;
+        for (; i < n; ++i) {
+            const float a = std::abs(float(x[i]));
+            bad |= !(a <= big), m = std::max(m, a);
+        }
+        return bad ? std::numeric_limits<float>::quiet_NaN() : m / 127;
     }
 
     // x as a multiple of scale, rounded (x~ = scale * the result): 0 when scale is not > 0.
@@ -614,28 +626,50 @@ struct Indexer {
     }
 
     // The block's keys (kt: groups of G, each [dI, G], zero-padded) -> kw: quads of unsigned k8 + 128 (as
-    // DotKeys), one scale for the block. Returns (scale, the largest |k~ - k|, rounded up).
+    // DotKeys), one scale for the block; 16 keys at a time, as int8_of does one. Returns (scale, the largest
+    // |k~ - k|, rounded up; infinite for keys that are not finite).
     std::pair<T, T> to_quads(const T* kt, int64_t nb, uint32_t* kw) const {
-        const int64_t n_chunks = (nb + G - 1) / G * (G / 16), W = dp_words();
-        const int64_t n_keys = (nb + G - 1) / G * G;
-        const float scale = int8_scale(kt, n_keys * dI);
-        double e2[16], worst = 0;
-        for (int64_t c = 0; c < n_chunks; ++c) {
-            const T* g = kt + c * 16 / G * G * dI + c * 16 % G;
-            uint8_t* out = (uint8_t*)(kw + c * W * 16);
-            std::fill(e2, e2 + 16, 0.0);
-            for (int64_t d = 0; d < 4 * W; ++d)
-                for (int64_t n = 0; n < 16; ++n) {
-                    const int32_t x = d < dI ? int8_of(g[d * G + n], scale) : 0;
-                    out[d / 4 * 64 + n * 4 + d % 4] = uint8_t(x + 128);
-                    if (d < dI) {
-                        const double e = double(x) * scale - double(g[d * G + n]);
-                        e2[n] += e * e;
+        if constexpr (sizeof(T) == 4) {
+            const int64_t n_chunks = (nb + G - 1) / G * (G / 16), W = dp_words();
+            const float scale = int8_scale(kt, n_chunks * 16 * dI);
+            if (!(scale >= 0)) return {T(0), std::numeric_limits<T>::infinity()};
+            const __m512 sc = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-127), hi = _mm512_set1_ps(127);
+            const __m512d scd = _mm512_set1_pd(scale);
+            double worst = 0;
+            for (int64_t c = 0; c < n_chunks; ++c) {
+                const T* g = kt + c * 16 / G * G * dI + c * 16 % G;
+                __m512d e2a = _mm512_setzero_pd(), e2b = _mm512_setzero_pd();   // keys 0-7, 8-15
+                for (int64_t p = 0; p < W; ++p) {
+                    __m512i word = _mm512_setzero_si512();
+                    for (int64_t e = 0; e < 4; ++e) {
+                        const int64_t d = 4 * p + e;
+                        __m512i v = _mm512_setzero_si512();
+                        if (d < dI && scale > 0) {
+                            const __m512 x = _mm512_load_ps(g + d * G);
+                            const __m512 r = _mm512_roundscale_ps(_mm512_div_ps(x, sc), _MM_FROUND_TO_NEAREST_INT |
+                                                                                          _MM_FROUND_NO_EXC);
+                            v = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, lo), hi));
+                            const __m512d ea = _mm512_sub_pd(
+                                _mm512_mul_pd(_mm512_cvtepi32_pd(_mm512_castsi512_si256(v)), scd),
+                                _mm512_cvtps_pd(_mm512_castps512_ps256(x)));
+                            const __m512d eb = _mm512_sub_pd(
+                                _mm512_mul_pd(_mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(v, 1)), scd),
+                                _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1))));
+                            e2a = _mm512_add_pd(e2a, _mm512_mul_pd(ea, ea));
+                            e2b = _mm512_add_pd(e2b, _mm512_mul_pd(eb, eb));
+                        }
+                        const __m512i b = _mm512_and_si512(_mm512_add_epi32(v, _mm512_set1_epi32(128)),
+                                                           _mm512_set1_epi32(0xFF));
+                        word = _mm512_or_si512(word, _mm512_slli_epi32(b, unsigned(8 * e)));
                     }
+                    _mm512_store_si512(kw + (c * W + p) * 16, word);
                 }
-            for (int n = 0; n < 16; ++n) worst = std::max(worst, e2[n]);
+                worst = std::max({worst, _mm512_reduce_max_pd(e2a), _mm512_reduce_max_pd(e2b)});
+            }
+            return {T(scale), T(std::sqrt(worst) * (1 + 1e-6))};
+        } else {   // fp32 rows only
+            return {T(0), std::numeric_limits<T>::infinity()};
         }
-        return {T(scale), scale >= 0 ? T(std::sqrt(worst) * (1 + 1e-6)) : std::numeric_limits<T>::infinity()};
     }
 #endif
 
