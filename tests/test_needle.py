@@ -311,24 +311,26 @@ def test_local_keys_plain_answers_are_the_greedy_decode(tmp_path: Path) -> None:
         assert all(0 <= x <= 8 for v in missing.values() for x in v.values())
 
 
-def test_million_runs_on_the_needle_haystack_with_either_indexer_build(tmp_path: Path) -> None:
+def test_million_runs_on_the_needle_haystack_with_every_indexer_build(tmp_path: Path) -> None:
     """benchmarks.needle.million with --haystack synthetic puts the seed's needle where --depth says (the prompt
-    benchmarks.needle sends for that cell), the shipped model answers it, and the FMA-filter build of the indexer
-    kernel gives the same tokens and HiSparse counters as the default build, which it hands back afterwards."""
+    benchmarks.needle sends for that cell), the shipped model answers it, and the bf16 and FMA-filter builds of the
+    indexer kernel give the same tokens and HiSparse counters as the default build, which it hands back
+    afterwards."""
     from benchmarks.needle import million
     from benchmarks.needle.harness import needle_value
     from hisparse.kv.kernels import indexer_topk
     original = indexer_topk.fused_topk_paged
     runs = {}
-    for build in ("default", "fma"):
+    for build in million.INDEXER_BUILDS:
         runs[build] = million.main(["--model", str(ROOT / "checkpoints" / "needle-ml4"), "--tokens", "2048",
                                     "--decode", "10", "--chunk", "512", "--haystack", "synthetic", "--seed", "3",
                                     "--depth", "25", "--indexer-build", build,
                                     "--out", str(tmp_path / f"{build}.json")])
         assert indexer_topk.fused_topk_paged is original
-    a, b = runs["default"], runs["fma"]
+    a = runs["default"]
     assert a["needle"]["value"] == needle_value(3, 2048, 0.25) and a["needle"]["haystack"] == "synthetic"
     assert abs(a["needle"]["depth"] - 0.25) < 0.01 and a["needle_retrieved"], a["output_text"]
-    assert (a["indexer_build"], b["indexer_build"]) == ("default", "fma")
-    assert a["output_ids"] == b["output_ids"]
-    assert a["hisparse_prefill"] == b["hisparse_prefill"] and a["hisparse_decode"] == b["hisparse_decode"]
+    for name, b in runs.items():
+        assert b["indexer_build"] == name
+        assert a["output_ids"] == b["output_ids"], name
+        assert a["hisparse_prefill"] == b["hisparse_prefill"] and a["hisparse_decode"] == b["hisparse_decode"], name

@@ -2,7 +2,7 @@
 served by the engine of `hisparse serve` with HiSparse KV on this machine's CPU.
 
     python -m benchmarks.needle.million [--model DIR] [--tokens 1048576] [--decode 32] [--chunk 4096] \\
-        [--threads 1] [--haystack corpus|synthetic] [--seed 0] [--depth 50] [--indexer-build default|fma] \\
+        [--threads 1] [--haystack corpus|synthetic] [--seed 0] [--depth 50] [--indexer-build default|bf16|fma] \\
         [--out benchmarks/results/needle/million.json]
 
 It drives the serving engine (`hisparse.engine.Engine`: scheduler, chunked prefill, sampler, HiSparseKV)
@@ -56,8 +56,10 @@ from .tokens import LocalCounter
 from .watch import fit_quadratic, fmt_s
 
 MILLION = 1 << 20
-# kernel builds an A/B run can pick: the default (AMX tiles, else VDPBF16PS, else FMA) and the FMA filter alone
-INDEXER_BUILDS = {"default": indexer_topk.Build(), "fma": indexer_topk.FMA_FILTER}
+# kernel builds an A/B run can pick: the default (AMX tiles, else the int8 or bf16 dot filter, else FMA), the bf16
+# dot filter (VDPBF16PS) where the CPU has it, and the FMA filter alone
+INDEXER_BUILDS = {"default": indexer_topk.Build(), "bf16": indexer_topk.Build(amx=False, dot_int8=False),
+                  "fma": indexer_topk.FMA_FILTER}
 PROGRESS_EVERY_S = 10.0
 
 
@@ -253,7 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (more than 1 spin-waits badly on a busy machine)")
     ap.add_argument("--indexer-build", choices=tuple(INDEXER_BUILDS), default="default",
-                    help="the indexer kernel's build: the best filter this CPU has, or the FMA filter alone (A/B)")
+                    help="the indexer kernel's build: the best filter this CPU has, the bf16 dot filter, or the FMA "
+                         "filter alone (A/B)")
     # the KV flags but --kv-offload (always hisparse) and --host-pool-gib (sized to the request)
     KVSettings.add_args(ap, ("layout", "hot_buffer_tokens", "resident_window", "page_tokens"))
     ap.add_argument("--out", default="benchmarks/results/needle/million.json")
