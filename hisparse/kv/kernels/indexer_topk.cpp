@@ -577,7 +577,7 @@ struct Indexer {
 
 #if DOT
     // The dot filter's inputs. A row's q~ (DotRow): words [HI, dp_words()] (bf16 pairs, or int8 quads q8 with
-    // q~_h = s_h q8_h, s_h: the head's scale), the int8 sums' start per head (-128 sum_d q8_hd: the keys are
+    // q~_h = s_h q8_h, s_h: the head's scale), the int8 sums' offset per head (-128 sum_d q8_hd: the keys are
     // stored as unsigned k8 + 128), and each head's weight (w_h, or fl(w_h s_h) for int8: the block's key scale
     // multiplies it in dp_heads). A block's keys (DotKeys): per 16 keys, dp_words() rows of 16 words (key n: its
     // dims 2p, 2p + 1 or 4p .. 4p + 3 in word n of row p; zero past dI), the int8 keys' scale (k~ = scale k8; 1 for
@@ -675,8 +675,8 @@ struct Indexer {
 
     // The dot filter's sums for NH heads hs[0 .. NH) and V vectors of 16 keys: per head, the dot of q~_h (q.q
     // [HI, W] words) with each key's words (kg: V vectors cs words apart, each [W, 16]), one instruction per word,
-    // a q word broadcast against 16 keys: VPDPBUSD (int8: four exact products into an int32 sum started at the
-    // head's offset, which removes the keys' +128) or VDPBF16PS (bf16: two into an fp32 sum); then s[v] = FMA sum
+    // a q word broadcast against 16 keys: VPDPBUSD (int8: four exact products into an int32 sum, then the head's
+    // offset, which removes the keys' +128) or VDPBF16PS (bf16: two into an fp32 sum); then s[v] = FMA sum
     // of w_h relu(dot_h) over the heads in order (int8: fl(w_h s_h) times the keys' scale, times relu of the exact
     // integer dot, converted exactly), after s[v]'s own value unless `first`. SP = 2 splits each dot into two sums
     // (even and odd words) added at the end, so that 12-16 sums are in flight where NH x V is 4 or 8 (the
