@@ -2,7 +2,7 @@
 plain sort (spec §3.6: score descending, ties by position ascending).
 
 The kernel must give exactly the torch path's selections (and scores), in every build (SIMD width, FMA filter on
-or off, the bf16 filters: AMX tiles, VDPBF16PS), including exact ties (integer-valued inputs, ReLU zeros,
+or off, the tile filter (AMX) and the dot filters: int8 VPDPBUSD, bf16 VDPBF16PS), including exact ties (integer-valued inputs, ReLU zeros,
 duplicated keys), near ties (keys ulps apart), rows that see fewer than k keys, -1 padding, fp32 and fp64, and
 bf16/fp16 activations (scored in fp32 on both paths, `score_dtype`). A model built on either path must produce
 bit-identical logits.
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 # every shape through the dot filter: int8 where the CPU has AVX512_VNNI, and bf16 where it has AVX512_BF16
 DOT_ALL = Build(amx=False, dot_min_work=1)
 DOT_BF16_ALL = Build(amx=False, dot_int8=False, dot_min_work=1)
-# the default (AMX tiles where the CPU has them, else VDPBF16PS where it has AVX512_BF16, else the FMA filter), the
+# the default (AMX tiles where the CPU has them, else the int8 or bf16 dot filter, else the FMA filter), the
 # FMA filter alone, the dot filter (int8, bf16) for every shape, 256-bit lanes, none
 BUILDS = [Build(), FMA_FILTER, DOT_ALL, DOT_BF16_ALL, Build(vec_bytes=32), Build(filter=False)]
 BUILD_IDS = ["default", "fma-filter", "dot-all", "dot-bf16-all", "256bit", "unfiltered"]
