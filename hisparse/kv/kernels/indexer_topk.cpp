@@ -114,8 +114,8 @@ const E4M3 E4M3_VALUES;
 #if DOT
 // The dot filter pays from HI x dI = 32 up (benchmarks/indexer/select.py, one thread, against the FMA filter): in
 // bf16, 0.58-0.62x the time with 128 (needle-ml4 at 512k-1M keys), 0.81-0.91x with 32 (the random tiny model); on
-// random inputs with 8-16 it gains less (0.91-0.98x). The int8 filter takes the same threshold (measured with
-// 128 only: 0.80-0.91x the bf16 filter's time). -DDOT_MIN_WORK=1 makes every shape take it (tests).
+// random inputs with 8-16 it gains less (0.91-0.98x). The int8 filter takes the same threshold: 0.79-0.91x the
+// bf16 filter's time with 128, 0.88-0.96x with 32. -DDOT_MIN_WORK=1 makes every shape take it (tests).
 #ifndef DOT_MIN_WORK
 #define DOT_MIN_WORK 32
 #endif
