@@ -52,8 +52,8 @@ BASELINES = {   # other builds of the kernel, timed against the default (widest 
 }
 if indexer_topk.has_amx():   # else the default build is this one
     BASELINES["dot_filter (no AMX)"] = indexer_topk.Build(amx=False)
-if indexer_topk.has_dot_int8(indexer_topk.Build(amx=False)) and indexer_topk.has_dot(DOT_BF16 := indexer_topk.Build(
-        amx=False, dot_int8=False)):
+DOT_BF16 = indexer_topk.Build(amx=False, dot_int8=False)
+if indexer_topk.has_dot_int8(indexer_topk.Build(amx=False)) and indexer_topk.has_dot(DOT_BF16):   # int8 runs, bf16 too
     BASELINES["dot_bf16_filter (VDPBF16PS, no AMX)"] = DOT_BF16
 
 
