@@ -360,6 +360,22 @@ struct Indexer {
         return s;
     }
 
+    // The dot filter's inputs. A row's q~ (DotRow): words [HI, dp_words()] (bf16 pairs, or int8 quads q8 with
+    // q~_h = s_h q8_h, s_h: the head's scale), the int8 sums' offset per head (-128 sum_d q8_hd: the keys are
+    // stored as unsigned k8 + 128), and each head's weight (w_h, or fl(w_h s_h) for int8: the block's key scale
+    // multiplies it in dp_heads). A block's keys (DotKeys): per 16 keys, dp_words() rows of 16 words (key n: its
+    // dims 2p, 2p + 1 or 4p .. 4p + 3 in word n of row p; zero past dI), the int8 keys' scale (k~ = scale k8; 1 for
+    // bf16) and ek, the largest |k~ - k| of a key of the block.
+    struct DotRow {
+        const uint32_t* q;
+        const int32_t* off;
+        const T* w;
+    };
+    struct DotKeys {
+        const uint32_t* words;
+        T scale, ek;
+    };
+
     // Offer the lanes of one vector of scores (keys c0 .. c0 + L - 1 of the block) that beat the threshold.
     void offer(Row& r, vec s, int64_t c0, int64_t n_blk, int64_t base) const {
         for (unsigned b = bits(s > r.thr); b; b &= b - 1) {
@@ -383,16 +399,15 @@ struct Indexer {
     // out), and the vectors with a lane above thr - its slack (bf_q |k| + bf_e ek + bf_abs) are scored exactly.
     // Rows without a positive head take it too while their threshold is below 0 (at 0 they are done).
     void scan(Row& r, const int64_t* pos_heads, const int64_t* all_heads, const T* kt, int64_t base, int64_t n_blk,
-              T kmax, const void* dk = nullptr, const void* dr = nullptr) const {
+              T kmax, const DotKeys* keys = nullptr, const DotRow* dr = nullptr) const {
         const int64_t n_pos = r.n_pos;
         const T slack = r.slack_q * kmax + r.slack_abs;
         const bool filter = filtered && slack < std::numeric_limits<T>::infinity();   // not for inf / NaN inputs
 #if DOT
-        const DotKeys* keys = (const DotKeys*)dk;
         const bool dp = keys && bf_fits(r, kmax, keys->ek);
         const T dslack = dp ? r.bf_q * kmax + r.bf_e * keys->ek + r.bf_abs : T(0);
 #else
-        (void)dk, (void)dr;
+        (void)keys, (void)dr;
 #endif
         for (int64_t j = 0; j < n_blk; j += G) {
             const T* g = kt + j * dI;
@@ -400,7 +415,7 @@ struct Indexer {
             if constexpr (sizeof(T) == 4)
                 if (dp && r.count == k && (n_pos > 0 || r.thr < T(0))) {   // pos_heads: positive heads, then the rest
                     const __m512 lim = _mm512_set1_ps(r.thr - dslack);
-                    const DotRow& q = *(const DotRow*)dr;
+                    const DotRow& q = *dr;
                     const uint32_t* kg = keys->words + j * dp_words();
                     __m512 d[U];
                     int64_t h0 = 0;
@@ -576,22 +591,6 @@ struct Indexer {
 #endif
 
 #if DOT
-    // The dot filter's inputs. A row's q~ (DotRow): words [HI, dp_words()] (bf16 pairs, or int8 quads q8 with
-    // q~_h = s_h q8_h, s_h: the head's scale), the int8 sums' offset per head (-128 sum_d q8_hd: the keys are
-    // stored as unsigned k8 + 128), and each head's weight (w_h, or fl(w_h s_h) for int8: the block's key scale
-    // multiplies it in dp_heads). A block's keys (DotKeys): per 16 keys, dp_words() rows of 16 words (key n: its
-    // dims 2p, 2p + 1 or 4p .. 4p + 3 in word n of row p; zero past dI), the int8 keys' scale (k~ = scale k8; 1 for
-    // bf16) and ek, the largest |k~ - k| of a key of the block.
-    struct DotRow {
-        const uint32_t* q;
-        const int32_t* off;
-        const T* w;
-    };
-    struct DotKeys {
-        const uint32_t* words;
-        T scale, ek;
-    };
-
     // The words per head or key: dims padded to a multiple of 4 (int8 quads) or 2 (bf16 pairs), over 4 or 2.
     int64_t dp_words() const { return DPINT8 ? (dI + 3) / 4 : (dI + 1) / 2; }
 
@@ -999,13 +998,13 @@ struct Indexer {
 #endif
 #if DOT
         // the dot filter, where AMX does not run (int8: while an exact integer dot fits fp32, dI <= 1040): the
-        // rows' q~ words [HI, W] (qd), int8 offsets (qo) and head weights (qw); a block's keys as words per 16 keys
-        // [W, 16] (kd, 64-byte aligned)
+        // rows' q~ words [HI, W] (qd), int8 offsets (qo) and int8 head weights (qw; bf16 reads the row's w); a block's
+        // keys as words per 16 keys [W, 16] (kd, 64-byte aligned)
         const bool dp = sizeof(T) == 4 && !amx && HI * dI >= DOT_MIN_WORK && (!DPINT8 || dI <= 1040);
         const int64_t W = dp_words();
         std::vector<uint32_t> qd(dp ? TILE_ROWS * HI * W : 0), kd_buf(dp ? kb * W + 16 : 0);
         std::vector<int32_t> qo(dp ? TILE_ROWS * HI : 0);
-        std::vector<T> qw(dp ? TILE_ROWS * HI : 0);
+        std::vector<T> qw(dp && DPINT8 ? TILE_ROWS * HI : 0);
         std::vector<DotRow> dot_rows(dp ? TILE_ROWS : 0);
         uint32_t* kd = (uint32_t*)(((uintptr_t)kd_buf.data() + 63) & ~uintptr_t(63));
         if (dp) dims = 2 * W;   // bf16: dI padded to even
@@ -1054,10 +1053,9 @@ struct Indexer {
                             const uint32_t hi = 2 * p + 1 < dI ? bf16(float(x[2 * p + 1])) : 0;
                             words[h * W + p] = bf16(float(x[2 * p])) | hi << 16;
                         }
-                        qw[i * HI + h] = r.w[h];
 #endif
                     }
-                    dot_rows[i] = DotRow{words, &qo[i * HI], &qw[i * HI]};
+                    dot_rows[i] = DotRow{words, &qo[i * HI], DPINT8 ? &qw[i * HI] : r.w};
                 }
 #endif
             }
