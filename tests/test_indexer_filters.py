@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hisparse.kv.kernels.indexer_topk import Build, fused_topk, has_amx, has_dot, has_dot_int8
+from hisparse.kv.kernels.indexer_topk import (DOT_BF16_FILTER, FMA_FILTER, Build, full_row_filter, fused_topk, has_amx,
+                                              has_dot, has_dot_int8)
 from test_indexer_kernel import DOT_ALL, DOT_BF16_ALL, random_case, torch_topk
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -166,3 +167,8 @@ def test_dot_filter_is_used_exactly_where_the_cpu_has_it() -> None:
     assert has_dot(Build(dot_int8=False)) == (avx512 and bf16_) and not has_dot_int8(Build(dot_int8=False))
     assert not has_dot(Build(dot=False)) and not has_dot(Build(filter=False))
     assert not has_dot(Build(vec_bytes=32))
+    dot = "dot_int8" if avx512 and vnni else "dot_bf16" if avx512 and bf16_ else "fma"
+    assert full_row_filter(Build(amx=False)) == dot
+    assert full_row_filter(DOT_BF16_FILTER) == ("dot_bf16" if avx512 and bf16_ else "fma")
+    assert full_row_filter(FMA_FILTER) == "fma" and full_row_filter(Build(filter=False)) == "none"
+    assert full_row_filter() == ("amx" if has_amx() else dot)

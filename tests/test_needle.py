@@ -332,5 +332,6 @@ def test_million_runs_on_the_needle_haystack_with_every_indexer_build(tmp_path: 
     assert abs(a["needle"]["depth"] - 0.25) < 0.01 and a["needle_retrieved"], a["output_text"]
     for name, b in runs.items():
         assert b["indexer_build"] == name
+        assert b["indexer_filter"] == indexer_topk.full_row_filter(million.INDEXER_BUILDS[name])
         assert a["output_ids"] == b["output_ids"], name
         assert a["hisparse_prefill"] == b["hisparse_prefill"] and a["hisparse_decode"] == b["hisparse_decode"], name

@@ -52,18 +52,9 @@ BASELINES = {   # other builds of the kernel, timed against the default (widest 
 }
 if indexer_topk.has_amx():   # else the default build is this one
     BASELINES["dot_filter (no AMX)"] = indexer_topk.Build(amx=False)
-DOT_BF16 = indexer_topk.Build(amx=False, dot_int8=False)
-if indexer_topk.has_dot_int8(indexer_topk.Build(amx=False)) and indexer_topk.has_dot(DOT_BF16):   # int8 runs, bf16 too
-    BASELINES["dot_bf16_filter (VDPBF16PS, no AMX)"] = DOT_BF16
-
-
-def default_filter() -> str:
-    """The filter of full rows in the default build here (for HI x dI large enough: see indexer_topk.cpp)."""
-    if indexer_topk.has_amx():
-        return "amx"
-    if indexer_topk.has_dot():
-        return "dot_int8" if indexer_topk.has_dot_int8() else "dot_bf16"
-    return "fma"
+if indexer_topk.full_row_filter(indexer_topk.Build(amx=False)) == "dot_int8" and \
+        indexer_topk.full_row_filter(indexer_topk.DOT_BF16_FILTER) == "dot_bf16":   # int8 runs, bf16 too
+    BASELINES["dot_bf16_filter (VDPBF16PS, no AMX)"] = indexer_topk.DOT_BF16_FILTER
 
 
 def timed(fn) -> tuple[object, float, float]:
@@ -164,7 +155,7 @@ def main() -> None:
     c = model.cfg
     res = {"setup": {"model": f"{what}; layer 0 indexer (HI={c.index_n_heads}, dI={c.index_head_dim}, "
                               f"k={c.index_topk})", "simd_bits": 8 * indexer_topk.vec_bytes(),
-                     "default_filter": default_filter(),
+                     "default_filter": indexer_topk.full_row_filter(),
                      "chunk": args.chunk, "sample_rows_torch": args.sample, "threads": args.threads,
                      "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
                      "load_average": list(os.getloadavg())},

@@ -58,8 +58,7 @@ from .watch import fit_quadratic, fmt_s
 MILLION = 1 << 20
 # kernel builds an A/B run can pick: the default (AMX tiles, else the int8 or bf16 dot filter, else FMA), the bf16
 # dot filter (VDPBF16PS) where the CPU has it, and the FMA filter alone
-INDEXER_BUILDS = {"default": indexer_topk.Build(), "bf16": indexer_topk.Build(amx=False, dot_int8=False),
-                  "fma": indexer_topk.FMA_FILTER}
+INDEXER_BUILDS = {"default": indexer_topk.Build(), "bf16": indexer_topk.DOT_BF16_FILTER, "fma": indexer_topk.FMA_FILTER}
 PROGRESS_EVERY_S = 10.0
 
 
@@ -163,6 +162,8 @@ def run(args: argparse.Namespace, settings: KVSettings) -> dict:
         "max_position_embeddings": cfg.max_position_embeddings,
         "indexer_kernel": "fused C++ (hisparse/kv/kernels)" if indexer_topk.available() else "torch",
         "indexer_build": args.indexer_build,
+        # what that build runs here: "bf16" is the FMA filter on a CPU without AVX512_BF16
+        "indexer_filter": indexer_topk.full_row_filter(INDEXER_BUILDS[args.indexer_build]),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
                     "commit": git_commit()},
         "needle": {"value": value, "depth": prompt.needle_depth, "haystack": args.haystack, "seed": args.seed},

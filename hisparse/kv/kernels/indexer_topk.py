@@ -59,6 +59,8 @@ class Build:
 
 # the FMA filter alone (no tile or dot filter): the baseline the others are timed against
 FMA_FILTER = Build(amx=False, dot=False)
+# the dot filter in bf16 (VDPBF16PS) where the CPU has AVX512_BF16: the int8 filter's A/B baseline
+DOT_BF16_FILTER = Build(amx=False, dot_int8=False)
 
 
 @cache
@@ -95,6 +97,16 @@ def has_dot_int8(build: Build = Build()) -> bool:
     """Whether `build`'s dot filter multiplies int8 (VPDPBUSD) here, rather than bf16."""
     lib = library(build)
     return lib is not None and bool(lib.indexer_dot_int8())
+
+
+def full_row_filter(build: Build = Build()) -> str:
+    """Which filter `build` runs here on rows whose heaps are full (the dot filter only where HI x dI reaches its
+    threshold, see indexer_topk.cpp): "amx", "dot_int8", "dot_bf16", "fma" or "none" (exact scoring alone)."""
+    if has_amx(build):
+        return "amx"
+    if has_dot(build):
+        return "dot_int8" if has_dot_int8(build) else "dot_bf16"
+    return "fma" if build.filter else "none"
 
 
 def vec_bytes() -> int:
