@@ -53,7 +53,7 @@ def probe(model_dir: Path, seed: int) -> dict:
         for tokens, ans, _ in batches:
             logits, _ = topk_forward(model, tokens[:, :-1], 64)
             loss = F.cross_entropy(logits, tokens[:, 1:].flatten(), reduction="none").view(ans.shape)
-            exact.append(answer_hits(logits, tokens, ans).float().mean().item())
+            exact.append(answer_hits(logits, tokens[:, 1:], ans).float().mean().item())
             ce.append(round(loss[ans].mean().item(), 4))
         rows.append({"setting": name, "alpha": list(alpha), "answer_exact": exact, "answer_ce": ce})
         print(f"{name:32s} exact {sum(exact):.0f}/{len(exact)}  answer CE {ce}", flush=True)

@@ -65,27 +65,45 @@ def layers_forward(model: ML4, tokens: torch.Tensor, st, attention: Callable) ->
     tokens [B, T] -> logits [B T, V]."""
     h = model.tok_embeddings(tokens).flatten(0, 1)                                    # [B T, D]
     for block in model.layers:
-        h = h + attention(block, block.attention_norm(h), st)
-        ffn = block.feed_forward if block.spec.ffn == "dense" else block.moe
-        h = h + ffn(block.ffn_norm(h))
+        h = block_forward(block, h, st, attention)
     return model.head(h)
+
+
+def block_forward(block: Block, h: torch.Tensor, st, attention: Callable) -> torch.Tensor:
+    """One block on the residual stream h [N, D]: its attention by `attention(block, x, st)`, then its FFN."""
+    h = h + attention(block, block.attention_norm(h), st)
+    ffn = block.feed_forward if block.spec.ffn == "dense" else block.moe
+    return h + ffn(block.ffn_norm(h))
 
 
 def queries_and_latents(block: Block, x: torch.Tensor, st) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x [N, D] -> q_nope [N, H, dN], q_rope [N, H, dR] (None on NoPE layers), SSMax gain applied; a KV owner
     also stores its latents c [N, r] and k_rope [N, dR] in st.latents (st: either forward's batch state)."""
+    if block.spec.kv_owner:
+        st.latents[block.spec.index] = latents(block, x, st.cos, st.sin)
+    return queries(block, x, st.positions, st.cos, st.sin)
+
+
+def queries(block: Block, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x [N, D] at `positions` -> q_nope [N, H, dN], q_rope [N, H, dR] (None on NoPE layers), SSMax gain
+    applied."""
     mla, spec, cfg = block.attention, block.spec, block.attention.cfg
-    dN, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
+    dN = cfg.qk_nope_head_dim
     q = mla.wq(x).view(x.shape[0], cfg.n_heads, mla.q_head_dim)
-    q_nope, q_rope = q[..., :dN], (apply_rope(q[..., dN:], st.cos, st.sin) if spec.rope else None)
+    q_nope, q_rope = q[..., :dN], (apply_rope(q[..., dN:], cos, sin) if spec.rope else None)
     if mla.ssmax_scaling is not None:
-        g = ssmax_gain(mla.ssmax_scaling, st.positions, x.dtype)[..., None]          # [N, H, 1]
+        g = ssmax_gain(mla.ssmax_scaling, positions, x.dtype)[..., None]             # [N, H, 1]
         q_nope, q_rope = q_nope * g, (q_rope * g if q_rope is not None else None)
-    if spec.kv_owner:
-        a = mla.wkv_a_with_mqa(x)
-        st.latents[spec.index] = mla.kv_a_norm(a[:, :r]), (apply_rope(a[:, r:], st.cos, st.sin) if spec.rope
-                                                           else None)
     return q_nope, q_rope
+
+
+def latents(block: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A KV owner's rows of x [N, D]: latents c [N, r] and k_rope [N, dR] (None on NoPE layers)."""
+    mla, r = block.attention, block.attention.cfg.kv_lora_rank
+    a = mla.wkv_a_with_mqa(x)
+    return mla.kv_a_norm(a[:, :r]), (apply_rope(a[:, r:], cos, sin) if block.spec.rope else None)
 
 
 def attention_forward(block: Block, x: torch.Tensor, st: TrainBatchState) -> torch.Tensor:   # x [B T, D]

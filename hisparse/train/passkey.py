@@ -84,21 +84,27 @@ class SyntheticHaystack:
         return [f"synthetic haystack (seed {self.seed})"]
 
 
+def haystack_units(stream: SyntheticHaystack, haystack_chars: int) -> list[str]:
+    """The stream's first units, the last one cut so that they hold exactly `haystack_chars` characters (as the
+    benchmark cuts its haystack) and end a paragraph."""
+    parts, n = [], 0
+    while n < haystack_chars:
+        parts += stream.units(len(parts) + 1)[-1:]
+        n += len(parts[-1])
+    if parts:
+        keep = len(parts[-1]) - (n - haystack_chars)
+        parts[-1] = parts[-1] if keep == len(parts[-1]) and parts[-1].endswith("\n\n") else (
+            parts[-1][:max(0, keep - 2)].rstrip(" ") + "\n\n")
+    return parts
+
+
 def sample_prompt(rng: random.Random, haystack_chars: int, depth: float, echoes: int = 0) -> tuple[str, str]:
     """A completions-API passkey prompt with exactly `haystack_chars` characters of fresh synthetic filler (the
     last sentence cut and closed with a blank line, as the benchmark does) and the needle at the sentence
     boundary nearest `depth`; returns (prompt text, value). `echoes` (training only) adds that many more copies of
     the same needle at random boundaries: every copy after the first is a copying exercise at its own distance,
     a denser signal than the one answer while the model has yet to learn to look back at all."""
-    stream = SyntheticHaystack(rng.randrange(1 << 30))
-    parts, n = [], 0
-    while n < haystack_chars:
-        parts += stream.units(len(parts) + 1)[-1:]
-        n += len(parts[-1])
-    if parts:                                           # cut to length; the haystack ends a paragraph
-        keep = len(parts[-1]) - (n - haystack_chars)
-        parts[-1] = parts[-1] if keep == len(parts[-1]) and parts[-1].endswith("\n\n") else (
-            parts[-1][:max(0, keep - 2)].rstrip(" ") + "\n\n")
+    parts = haystack_units(SyntheticHaystack(rng.randrange(1 << 30)), haystack_chars)
     value = random_value(rng)
     at = [round(depth * len(parts))] + [rng.randint(0, len(parts)) for _ in range(echoes)]
     out = []

@@ -67,8 +67,12 @@ class Stage:
                                      # checkpoint: training never updates alpha
     lerope_ramp: int = 0             # > 0: alpha moves linearly over the first round's first `lerope_ramp` steps,
                                      # from the previous stages' setting to `lerope_alpha`, so the model follows it
-    answer_kl: float = 0.0           # topk_only: weight of the answer queries' mean indexer KL, added to the
-                                     # all-query mean (which gives the ~10 answer queries of a 128k sequence ~1e-4)
+    answer_kl: float = 0.0           # topk_only, frozen: weight of the answer queries' mean indexer KL, added to
+                                     # the all-query mean (which gives the ~10 answer queries of a 128k sequence
+                                     # ~1e-4)
+    frozen: bool = False             # each round caches one haystack of max_chars characters and each step trains
+                                     # a needle, the question and the answer live in it (prefix_forward): the
+                                     # answer's queries select among a haystack no full forward could train on
 
 
 FIRST_STAGES = (

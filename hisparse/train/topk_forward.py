@@ -81,30 +81,40 @@ def topk_forward(model: ML4, tokens: torch.Tensor, recent: int, query_chunk: int
 
 
 def attention_forward(block: Block, x: torch.Tensor, st: TopkBatchState) -> torch.Tensor:   # x [B T, D]
-    mla, spec, cfg = block.attention, block.spec, block.attention.cfg
-    N, H, dN = st.B * st.T, cfg.n_heads, cfg.qk_nope_head_dim
+    mla, spec = block.attention, block.spec
     q_nope, q_rope = queries_and_latents(block, x, st)
     c, k_rope = st.latents[spec.kv_source]                                          # [N, r], [N, dR]
-    qi = ki = wi = None
+    index = None
     if mla.indexer is not None:
-        qi, ki, wi = mla.indexer.project(x.detach(), st.positions, st.cos, st.sin)  # [N, HI, dI], [N, dI], [N, HI]
-        st.candidates[spec.index] = candidates(mla.indexer, qi, ki, wi, st, st.widened.get(spec.index))
-    cand = st.candidates[spec.index_source]
+        index = mla.indexer.project(x.detach(), st.positions, st.cos, st.sin)       # [N, HI, dI], [N, dI], [N, HI]
+        st.candidates[spec.index] = candidates(mla.indexer, *index, st, st.widened.get(spec.index))
+    return sparse_attention(block, q_nope, q_rope, c, k_rope, st.candidates[spec.index_source], index, st)
+
+
+def sparse_attention(block: Block, q_nope: torch.Tensor, q_rope: torch.Tensor | None, c: torch.Tensor,
+                     k_rope: torch.Tensor | None, cand: Candidates,
+                     index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, st) -> torch.Tensor:
+    """n query rows q_nope [n, H, dN], q_rope [n, H, dR] over their candidates' rows of the latents c [S, r],
+    k_rope [S, dR], `st.query_chunk` rows at a time -> the attention output [n, D]; an owner's `index` (qi [n,
+    HI, dI], its keys ki [S, dI], wi [n, HI]) adds each row's indexer KL [n] to st.index_losses."""
+    mla, cfg = block.attention, block.attention.cfg
+    n, H, dN = q_nope.shape[0], cfg.n_heads, cfg.qk_nope_head_dim
     w_kvb = mla.wkv_b.weight.view(H, dN + cfg.v_head_dim, cfg.kv_lora_rank)
-    q_lat = torch.einsum("nhd,hdc->nhc", q_nope, w_kvb[:, :dN])                      # [N, H, r]
+    q_lat = torch.einsum("nhd,hdc->nhc", q_nope, w_kvb[:, :dN])                      # [n, H, r]
     outs, kls = [], []
-    for a in range(0, N, st.query_chunk):
+    for a in range(0, n, st.query_chunk):
         rows = slice(a, a + st.query_chunk)
         piece = (q_lat[rows], None if q_rope is None else q_rope[rows], c, k_rope, cand.rows[rows],
-                 cand.selected[rows], cand.scored[rows], *((qi[rows], ki, wi[rows]) if qi is not None else ()))
-        o, kl = (checkpoint(attend, mla, *piece, use_reentrant=False) if N > st.query_chunk
+                 cand.selected[rows], cand.scored[rows], *((index[0][rows], index[1], index[2][rows])
+                                                           if index is not None else ()))
+        o, kl = (checkpoint(attend, mla, *piece, use_reentrant=False) if n > st.query_chunk
                  else attend(mla, *piece))
         outs.append(o)
         kls.append(kl)
-    if mla.indexer is not None:
+    if index is not None:
         st.index_losses.append(torch.cat(kls))
-    o = torch.einsum("nhc,hdc->nhd", torch.cat(outs), w_kvb[:, dN:])                 # [N, H, dV]
-    return mla.wo(o.reshape(N, -1))
+    o = torch.einsum("nhc,hdc->nhd", torch.cat(outs), w_kvb[:, dN:])                 # [n, H, dV]
+    return mla.wo(o.reshape(n, -1))
 
 
 def attend(mla, q_lat: torch.Tensor, q_rope: torch.Tensor | None, c: torch.Tensor, k_rope: torch.Tensor | None,
@@ -134,25 +144,32 @@ def gather(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 def candidates(indexer: Indexer, qi: torch.Tensor, ki: torch.Tensor, wi: torch.Tensor, st: TopkBatchState,
                widen_from: int | None = None) -> Candidates:
-    """Sel(t) by the inference path (per sequence), then the `recent` newest keys not already in it (selected
-    too at positions >= `widen_from`, the ablation of `topk_forward`'s `widened`)."""
+    """Every sequence's `sequence_candidates`, as rows of the flattened [B T] batch."""
     B, T = st.B, st.T
     t = torch.arange(T, device=qi.device)
+    parts = [sequence_candidates(indexer, qi[b * T:(b + 1) * T], ki[b * T:(b + 1) * T], wi[b * T:(b + 1) * T], t,
+                                 st.recent, widen_from) for b in range(B)]
+    return Candidates(torch.cat([p.rows + b * T for b, p in enumerate(parts)]),
+                      torch.cat([p.selected for p in parts]), torch.cat([p.scored for p in parts]), st.recent)
+
+
+def sequence_candidates(indexer: Indexer, qi: torch.Tensor, ki: torch.Tensor, wi: torch.Tensor, t: torch.Tensor,
+                        recent: int, widen_from: int | None = None) -> Candidates:
+    """One sequence's keys ki [S, dI] (in order) for queries qi [n, HI, dI], wi [n, HI], query j the key at t[j]:
+    Sel(t) over keys 0..t[j] by the inference path, then the `recent` newest keys t[j], t[j] - 1, ... not already
+    in it (selected too for queries with t >= `widen_from`, the ablation of `topk_forward`'s `widened`); rows
+    index ki (0 where unused)."""
     with torch.no_grad():
-        sel = torch.cat([indexer.select(qi[b * T:(b + 1) * T].detach(), wi[b * T:(b + 1) * T].detach(),
-                                        ki[b * T:(b + 1) * T].detach(), t) for b in range(B)])   # [B T, k']
-        near = t[:, None] - torch.arange(st.recent, device=qi.device)                           # [T, W]
-        near = near.repeat(B, 1)                                                                 # [B T, W]
-        padded = sel.masked_fill(sel < 0, T)                 # ascending per row once -1 pads sort last
+        sel = indexer.select(qi.detach(), wi.detach(), ki.detach(), t)                          # [n, k']
+        near = t[:, None] - torch.arange(recent, device=qi.device)                              # [n, W]
+        padded = sel.masked_fill(sel < 0, ki.shape[0])       # ascending per row once -1 pads sort last
         at = torch.searchsorted(padded, near.clamp(min=0)).clamp(max=sel.shape[1] - 1)
         fresh = (near >= 0) & (padded.gather(1, at) != near)
-        keys = torch.cat((sel, near), dim=1)                                                     # [B T, K]
+        keys = torch.cat((sel, near), dim=1)                                                     # [n, K]
         widen = fresh & (near[:, :1] >= widen_from) if widen_from is not None else torch.zeros_like(fresh)
         selected = torch.cat((sel >= 0, widen), dim=1)
         scored = torch.cat((sel >= 0, fresh), dim=1)
-        offset = (torch.arange(B * T, device=qi.device) // T * T)[:, None]
-        rows = keys.clamp(min=0) + offset
-    return Candidates(rows, selected, scored, st.recent)
+    return Candidates(keys.clamp(min=0), selected, scored, recent)
 
 
 def newest_missing(cand: Candidates, newest: int) -> torch.Tensor:

@@ -33,8 +33,10 @@ from ..model.ml4 import ML4
 from ..model.tokenizer import load_tokenizer, write_tekken
 from ..model.weights import load_model, save_model
 from .forward import train_forward
+from .frozen_haystack import FrozenHaystack, build_haystack, live_needle
+from .prefix_forward import prefix_forward
 from .topk_forward import topk_forward
-from .passkey import answer, sample_prompt
+from .passkey import answer, random_value, sample_prompt
 from .recipe import FIRST_STAGES, LONG_STAGES, TOKENIZER_WORDS, Recipe, Stage
 
 
@@ -91,6 +93,21 @@ class PasskeyBatches:
         valid = torch.stack([i < len(s) - 1 for s, _ in seqs])
         return toks, ans, valid
 
+    def needle(self) -> tuple[float, str]:
+        """A frozen-haystack step's needle: its depth (0..1) and passkey value."""
+        depth = self.rng.random()
+        return depth, random_value(self.rng)
+
+    def draw(self, stage: Stage, tokens_per_batch: int) -> tuple:
+        """What one step of `stage` trains on: a needle in a frozen-haystack stage, else a batch."""
+        return self.needle() if stage.frozen else self.batch(stage, tokens_per_batch)
+
+
+def haystack_seed(recipe: Recipe, stage: Stage, round_: int) -> int:
+    """The synthetic haystack a frozen-haystack stage's round caches (the data stream does not draw it, so a resumed
+    round finds it without replaying the stream)."""
+    return random.Random(f"haystack:{recipe.seed}:{stage.name}:{round_}").randrange(1 << 30)
+
 
 def lr_at(step: int, steps: int, stage: Stage, warmup: int) -> float:
     """Linear warm-up (the stage's own length if it sets one), then cosine decay to 0."""
@@ -100,10 +117,10 @@ def lr_at(step: int, steps: int, stage: Stage, warmup: int) -> float:
     return stage.lr * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
 
 
-def answer_hits(logits: torch.Tensor, tokens: torch.Tensor, ans: torch.Tensor) -> torch.Tensor:
+def answer_hits(logits: torch.Tensor, targets: torch.Tensor, ans: torch.Tensor) -> torch.Tensor:
     """[B] bool: whether each sequence's answer (and EOS) is the argmax at every answer position, teacher-forced;
-    logits [B (T - 1), V] of tokens [B, T], ans the answer mask [B, T - 1]."""
-    hit = (logits.argmax(-1).view(ans.shape) == tokens[:, 1:]) | ~ans
+    logits [B n, V] of the rows whose next tokens are targets [B, n], ans the answer mask [B, n]."""
+    hit = (logits.argmax(-1).view(ans.shape) == targets) | ~ans
     return hit.all(dim=1)
 
 
@@ -170,7 +187,7 @@ def _train(out: Path, recipe: Recipe, resume: bool) -> ML4:
     for stage in recipe.stages:
         records = trained.get(stage.name, [])
         for rec in records:
-            data.batch(stage, recipe.tokens_per_batch)
+            data.draw(stage, recipe.tokens_per_batch)
             log.write(json.dumps(rec) + "\n")
         state = partial if partial is not None and partial.stage == stage.name else None
         if records and (state is None or state.start > 0):
@@ -280,7 +297,10 @@ def train_round(model: ML4, stage: Stage, data: PasskeyBatches, recipe: Recipe, 
     of the round's steps' teacher-forced answer exact match (the resumed round's earlier steps from the log)."""
     round_ = rounds_of(stage, at.start)
     steps = stage.steps if round_ == 0 else stage.gate.retry_steps
-    index_topk = model.cfg.index_topk if stage.sparse else None
+    hay = None
+    if stage.frozen:   # cached under the round's starting weights (before a resumed round loads its saved ones)
+        hay = build_haystack(model, data.encode, haystack_seed(recipe, stage, round_), stage.max_chars,
+                             recipe.kl_recent_keys)
     opt = torch.optim.AdamW(model.parameters(), lr=stage.lr, betas=(0.9, 0.95), weight_decay=0.01)
     first, exacts = 0, []
     if at.state is not None:
@@ -296,13 +316,8 @@ def train_round(model: ML4, stage: Stage, data: PasskeyBatches, recipe: Recipe, 
         if round_ == 0 and stage.lerope_alpha is not None:
             with torch.no_grad():
                 model.lerope.alpha.copy_(lerope_at(recipe, stage, step))
-        tokens, ans, valid = data.batch(stage, recipe.tokens_per_batch)
-        if stage.topk_only:
-            logits, query_kl = topk_forward(model, tokens[:, :-1], recipe.kl_recent_keys)
-            index_kl = query_kl.mean(1).mean() + stage.answer_kl * query_kl[:, ans.flatten()].mean()
-        else:
-            logits, index_kl = train_forward(model, tokens[:, :-1], index_topk)
-        ce = F.cross_entropy(logits, tokens[:, 1:].flatten(), reduction="none").view(ans.shape)
+        logits, targets, ans, valid, index_kl, (B, T) = step_forward(model, stage, data, recipe, hay)
+        ce = F.cross_entropy(logits, targets.flatten(), reduction="none").view(ans.shape)
         ans_ce = ce[ans].mean()
         loss = ce[valid].mean() + recipe.answer_weight * ans_ce + recipe.index_weight * index_kl
         opt.zero_grad(set_to_none=True)
@@ -311,8 +326,8 @@ def train_round(model: ML4, stage: Stage, data: PasskeyBatches, recipe: Recipe, 
         opt.step()
         keep_ssmax_sane(model)
         with torch.no_grad():
-            exacts.append(answer_hits(logits, tokens, ans).float().mean().item())
-        rec = {"stage": stage.name, "step": step, "T": tokens.shape[1], "B": tokens.shape[0],
+            exacts.append(answer_hits(logits, targets, ans).float().mean().item())
+        rec = {"stage": stage.name, "step": step, "T": T, "B": B,
                "loss": round(loss.item(), 4), "answer_ce": round(ans_ce.item(), 4),
                "index_kl": round(index_kl.item(), 4), "answer_exact": exacts[-1], "s": round(time.time() - at.t0, 1)}
         if round_:
@@ -324,6 +339,28 @@ def train_round(model: ML4, stage: Stage, data: PasskeyBatches, recipe: Recipe, 
             saved = time.time()
         bar.set_postfix(ans=rec["answer_ce"], kl=rec["index_kl"], exact=exacts[-1], T=rec["T"])
     return exacts
+
+
+def step_forward(model: ML4, stage: Stage, data: PasskeyBatches, recipe: Recipe, hay: FrozenHaystack | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, int]]:
+    """One step's forward on its draw: logits [B n, V] of the rows whose next tokens are targets [B, n], the
+    answer and loss masks [B, n], the indexer KL (the answer queries' weighted by `stage.answer_kl` in top-k-only
+    and frozen-haystack stages) and the sequences' (B, T)."""
+    if stage.frozen:
+        depth, value = data.needle()
+        live = live_needle(hay, data.encode, data.eos, value, depth)
+        logits, query_kl = prefix_forward(model, hay.cache, live.tokens, live.after, live.positions,
+                                          recipe.kl_recent_keys)
+        index_kl = query_kl.mean(1).mean() + stage.answer_kl * query_kl[:, live.ans].mean()
+        T = hay.cache.tokens.numel() + live.tokens.numel() + 1
+        return logits, live.targets[None], live.ans[None], live.valid[None], index_kl, (1, T)
+    tokens, ans, valid = data.batch(stage, recipe.tokens_per_batch)
+    if stage.topk_only:
+        logits, query_kl = topk_forward(model, tokens[:, :-1], recipe.kl_recent_keys)
+        index_kl = query_kl.mean(1).mean() + stage.answer_kl * query_kl[:, ans.flatten()].mean()
+    else:
+        logits, index_kl = train_forward(model, tokens[:, :-1], model.cfg.index_topk if stage.sparse else None)
+    return logits, tokens[:, 1:], ans, valid, index_kl, tuple(tokens.shape)
 
 
 def load_stage(out: Path, stage: Stage) -> ML4:
