@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from tqdm import tqdm
 
 from ..model.ml4 import ML4, Block
 from . import topk_forward
@@ -36,14 +37,16 @@ class HaystackCache:
 
 
 def cache_haystack(model: ML4, tokens: torch.Tensor, recent: int, query_chunk: int = QUERY_CHUNK) -> HaystackCache:
-    """tokens [N] -> every layer's block input over them (`topk_forward`'s math, no gradients, no head)."""
+    """tokens [N] -> every layer's block input over them (`topk_forward`'s math, no gradients, no head); a
+    million tokens take minutes per layer, so a bar counts the layers."""
     with torch.no_grad():
         st = TopkBatchState(1, tokens.numel(), recent, query_chunk, *sequence_rope(model, tokens[None]))
-        h, hidden = model.tok_embeddings(tokens), []
-        for i, block in enumerate(model.layers):
+        h = model.tok_embeddings(tokens)
+        hidden = [h]
+        for block in tqdm(model.layers[:-1], desc=f"cache {tokens.numel():,}-token haystack", unit="layer",
+                          leave=False):
+            h = block_forward(block, h, st, topk_forward.attention_forward)
             hidden.append(h)
-            if i + 1 < len(model.layers):
-                h = block_forward(block, h, st, topk_forward.attention_forward)
     return HaystackCache(tokens, st.positions, hidden)
 
 
