@@ -92,28 +92,36 @@ FIRST_STAGES = (
 # exact in bf16, the checkpoint's dtype.
 RAMPED_ALPHA = (0.0, 0.0, 0.0, 0.0, -1.6875, -2.15625, -2.9375, -3.890625)
 
+# the slow pairs stretched step by step at up to 16k, settled at up to 40k, then 128k and its longer part
+LEROPE_RAMP = (
+    Stage("ramp-16k", 60, 2048, 16384, True, 2e-4, warmup=6, topk_only=True, threads=2,
+          gate=Gate(0.875, 8, 20), lerope_alpha=RAMPED_ALPHA, lerope_ramp=30),
+    Stage("ramped-40k", 40, 8192, 40960, True, 2e-4, warmup=4, topk_only=True, threads=2,
+          gate=Gate(0.875, 8, 15)),
+    Stage("ramped-128k", 30, 32768, 131072, True, 2e-4, warmup=4, topk_only=True, threads=2,
+          gate=Gate(0.875, 8, 15)),
+    # the longer part of 128k (48k-128k characters, log-uniform), where ramped-128k's misses are
+    Stage("held-128k", 30, 49152, 131072, True, 2e-4, warmup=4, topk_only=True, threads=2,
+          gate=Gate(0.875, 8, 15)),
+    # at 128k the answer queries' local indexer (layer 2) fills its top-k with far keys and drops the newest
+    # ones the copy needs (docs/needle-model.md, "The missing newest keys are the cause"): their indexer KL
+    # weighted as much as all other queries together
+    Stage("answer-128k", 24, 98304, 139264, True, 1.5e-4, warmup=3, topk_only=True, threads=2,
+          gate=Gate(0.875, 8, 12), answer_kl=1.0),
+)
+
 LONG_STAGES: dict[str, tuple[Stage, ...]] = {
     # one stage at up to 128k on the shipped frequencies
     "sparse-128k": (
         Stage("sparse-128k", 30, 32768, 131072, True, 2e-4, warmup=4, topk_only=True, threads=2,
               gate=Gate(0.875, 8, 15)),
     ),
-    # the slow pairs stretched step by step at up to 16k, settled at up to 40k, then 128k and its longer part
-    "lerope-ramp": (
-        Stage("ramp-16k", 60, 2048, 16384, True, 2e-4, warmup=6, topk_only=True, threads=2,
-              gate=Gate(0.875, 8, 20), lerope_alpha=RAMPED_ALPHA, lerope_ramp=30),
-        Stage("ramped-40k", 40, 8192, 40960, True, 2e-4, warmup=4, topk_only=True, threads=2,
-              gate=Gate(0.875, 8, 15)),
-        Stage("ramped-128k", 30, 32768, 131072, True, 2e-4, warmup=4, topk_only=True, threads=2,
-              gate=Gate(0.875, 8, 15)),
-        # the longer part of 128k (48k-128k characters, log-uniform), where ramped-128k's misses are
-        Stage("held-128k", 30, 49152, 131072, True, 2e-4, warmup=4, topk_only=True, threads=2,
-              gate=Gate(0.875, 8, 15)),
-        # at 128k the answer queries' local indexer (layer 2) fills its top-k with far keys and drops the newest
-        # ones the copy needs (docs/needle-model.md, "The missing newest keys are the cause"): their indexer KL
-        # weighted as much as all other queries together
-        Stage("answer-128k", 24, 98304, 139264, True, 1.5e-4, warmup=3, topk_only=True, threads=2,
-              gate=Gate(0.875, 8, 12), answer_kl=1.0),
+    "lerope-ramp": LEROPE_RAMP,
+    # then the answer's queries trained among a million tokens of haystack, cached once per round
+    # (docs/needle-model.md, "Frozen-haystack training"): the first round's log is the one measured
+    "frozen-1m": LEROPE_RAMP + (
+        Stage("frozen-1m", 24, 1_048_000, 1_048_000, True, 1e-4, warmup=3, threads=2, gate=Gate(0.875, 8, 12),
+              answer_kl=1.0, frozen=True),
     ),
 }
 
