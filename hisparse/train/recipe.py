@@ -118,7 +118,7 @@ LONG_STAGES: dict[str, tuple[Stage, ...]] = {
     ),
     "lerope-ramp": LEROPE_RAMP,
     # then the answer's queries trained among a million tokens of haystack, cached once per round
-    # (docs/needle-model.md, "Frozen-haystack training"): the first round's log is the one measured
+    # (docs/needle-model.md, "Frozen-haystack training": its first two rounds measured, not yet answering)
     "frozen-1m": LEROPE_RAMP + (
         Stage("frozen-1m", 24, 1_048_000, 1_048_000, True, 1e-4, warmup=3, threads=2, gate=Gate(0.875, 8, 12),
               answer_kl=1.0, frozen=True),
