@@ -82,9 +82,9 @@ def prefix_forward(model: ML4, cache: HaystackCache, tokens: torch.Tensor, after
     is_live = torch.zeros(N + n, dtype=torch.bool, device=tokens.device)
     is_live[live] = True
     haystack = (~is_live).nonzero()[:, 0]
-    merged = torch.empty(N + n, dtype=torch.long, device=tokens.device)
-    merged[live], merged[haystack] = positions, cache.positions
-    st = PrefixState(cache, live, haystack, positions, *model.rope(positions), *model.rope(merged), recent,
+    every = torch.empty(N + n, dtype=torch.long, device=tokens.device)    # the merged rows' positions
+    every[live], every[haystack] = positions, cache.positions
+    st = PrefixState(cache, live, haystack, positions, *model.rope(positions), *model.rope(every), recent,
                      query_chunk)
     h = model.tok_embeddings(tokens)                                                  # [n, D]
     for i, block in enumerate(model.layers):
