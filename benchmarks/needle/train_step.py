@@ -23,14 +23,13 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from hisparse.model.weights import load_model
 from hisparse.train.frozen_haystack import build_haystack
 from hisparse.train.recipe import Recipe, Stage
 from hisparse.train.topk_forward import topk_forward
-from hisparse.train.trainer import PasskeyBatches, step_forward
+from hisparse.train.trainer import PasskeyBatches, step_forward, step_loss
 
 FROZEN = -1      # the `chunk` of a frozen-haystack configuration
 
@@ -46,9 +45,7 @@ def one_step(model_dir: Path, chars: int, chunk: int, threads: int) -> dict:
     tokens, ans, valid = PasskeyBatches(model_dir, 0).batch(stage, 1)
     t0 = time.perf_counter()
     logits, query_kl = topk_forward(model, tokens[:, :-1], recipe.kl_recent_keys, chunk or tokens.shape[1])
-    index_kl = query_kl.mean(1).mean()
-    ce = F.cross_entropy(logits, tokens[:, 1:].flatten(), reduction="none").view(ans.shape)
-    loss = ce[valid].mean() + recipe.answer_weight * ce[ans].mean() + recipe.index_weight * index_kl
+    loss, _ = step_loss(logits, tokens[:, 1:], ans, valid, query_kl.mean(1).mean(), recipe)
     t1 = time.perf_counter()
     loss.backward()
     t2 = time.perf_counter()
@@ -65,8 +62,7 @@ def frozen_step(model, model_dir: Path, chars: int, threads: int, recipe: Recipe
     hay = build_haystack(model, data.encode, 0, chars, recipe.kl_recent_keys)
     t1 = time.perf_counter()
     logits, targets, ans, valid, index_kl, (_, T) = step_forward(model, stage, data, recipe, hay)
-    ce = F.cross_entropy(logits, targets.flatten(), reduction="none").view(ans.shape)
-    loss = ce[valid].mean() + recipe.answer_weight * ce[ans].mean() + recipe.index_weight * index_kl
+    loss, _ = step_loss(logits, targets, ans, valid, index_kl, recipe)
     t2 = time.perf_counter()
     loss.backward()
     t3 = time.perf_counter()

@@ -317,9 +317,7 @@ def train_round(model: ML4, stage: Stage, data: PasskeyBatches, recipe: Recipe, 
             with torch.no_grad():
                 model.lerope.alpha.copy_(lerope_at(recipe, stage, step))
         logits, targets, ans, valid, index_kl, (B, T) = step_forward(model, stage, data, recipe, hay)
-        ce = F.cross_entropy(logits, targets.flatten(), reduction="none").view(ans.shape)
-        ans_ce = ce[ans].mean()
-        loss = ce[valid].mean() + recipe.answer_weight * ans_ce + recipe.index_weight * index_kl
+        loss, ans_ce = step_loss(logits, targets, ans, valid, index_kl, recipe)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip)
@@ -361,6 +359,15 @@ def step_forward(model: ML4, stage: Stage, data: PasskeyBatches, recipe: Recipe,
     else:
         logits, index_kl = train_forward(model, tokens[:, :-1], model.cfg.index_topk if stage.sparse else None)
     return logits, tokens[:, 1:], ans, valid, index_kl, tuple(tokens.shape)
+
+
+def step_loss(logits: torch.Tensor, targets: torch.Tensor, ans: torch.Tensor, valid: torch.Tensor,
+              index_kl: torch.Tensor, recipe: Recipe) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recipe's loss of one step (`step_forward`'s outputs): token CE + answer_weight x answer CE +
+    index_weight x indexer KL, and the answer CE."""
+    ce = F.cross_entropy(logits, targets.flatten(), reduction="none").view(ans.shape)
+    ans_ce = ce[ans].mean()
+    return ce[valid].mean() + recipe.answer_weight * ans_ce + recipe.index_weight * index_kl, ans_ce
 
 
 def load_stage(out: Path, stage: Stage) -> ML4:
