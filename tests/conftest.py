@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import random
+import sys
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,18 @@ SUMMARY: list[str] = []   # lines tests add for the end of the run (e.g. how man
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
     for line in SUMMARY:
         terminalreporter.write_line(line)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if any(item.path.name == "test_triton_aot.py" for item in session.items):
+        from test_triton_aot import start_compiles     # the sm_90 compiles run beside the suite (see that module)
+        start_compiles(session.items)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    aot = sys.modules.get("test_triton_aot")
+    if aot is not None:
+        aot.stop_compiles()                           # those of tests that did not run (-x, -k, Ctrl-C)
 
 
 @pytest.fixture(scope="session")
