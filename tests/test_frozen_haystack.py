@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hisparse.model.tokenizer import load_tokenizer
-from hisparse.model.weights import load_model
+from hisparse.model.weights import load_model, save_model
 import hisparse.train.trainer as trainer
 from hisparse.train.frozen_haystack import build_haystack, live_needle
 from hisparse.train.passkey import (COMPLETION_CUE, INTRO, QUESTION, SyntheticHaystack, answer, haystack_units,
@@ -85,3 +85,22 @@ def test_a_frozen_stage_trains_and_resumes_mid_round(tmp_path: Path, monkeypatch
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
         assert torch.equal(p, q), name
     assert log_records(tmp_path / "a") == log_records(tmp_path / "b")
+
+
+def test_frozen_eval_scores_answers_and_names_the_first_wrong_token(tmp_path: Path):
+    """`benchmarks.needle.frozen_eval`: the shipped model answers needles in a 4k haystack exactly; with its output
+    head negated every answer's argmax is wrong, and each row names the first wrong token and what came instead."""
+    from benchmarks.needle.frozen_eval import evaluate
+    good = evaluate(NEEDLE, 4096, 3, 12345, 1)
+    assert good["exact"] == 3 and all(r["first_wrong"] is None and r["answer_ce"] < 0.2 for r in good["rows"])
+    model = load_model(NEEDLE)
+    with torch.no_grad():
+        model.output.weight.neg_()
+    save_model(model, tmp_path)
+    (tmp_path / "tekken.json").write_bytes((NEEDLE / "tekken.json").read_bytes())
+    bad = evaluate(tmp_path, 4096, 3, 12345, 1)
+    assert [r["value"] for r in bad["rows"]] == [r["value"] for r in good["rows"]]   # the same needles
+    assert bad["exact"] == 0
+    for r in bad["rows"]:
+        wrong = r["first_wrong"]
+        assert wrong["index"] == 0 and wrong["want"] != wrong["got"] and r["answer_ce"] > 1.0
