@@ -88,19 +88,31 @@ def test_a_frozen_stage_trains_and_resumes_mid_round(tmp_path: Path, monkeypatch
 
 
 def test_frozen_eval_scores_answers_and_names_the_first_wrong_token(tmp_path: Path):
-    """`benchmarks.needle.frozen_eval`: the shipped model answers needles in a 4k haystack exactly; with its output
-    head negated every answer's argmax is wrong, and each row names the first wrong token and what came instead."""
+    """`benchmarks.needle.frozen_eval`: the shipped model answers needles in a 4k haystack exactly. With its EOS
+    output row zeroed it still copies every value but never ends (the first miss is the EOS); with its output head
+    negated it misses from the first token. Each run scores the same needles."""
     from benchmarks.needle.frozen_eval import evaluate
+
+    def broken(name: str, edit) -> Path:
+        model = load_model(NEEDLE)
+        with torch.no_grad():
+            edit(model.output.weight)
+        save_model(model, tmp_path / name)
+        (tmp_path / name / "tekken.json").write_bytes((NEEDLE / "tekken.json").read_bytes())
+        return tmp_path / name
+
     good = evaluate(NEEDLE, 4096, 3, 12345, 1)
-    assert good["exact"] == 3 and all(r["first_wrong"] is None and r["answer_ce"] < 0.2 for r in good["rows"])
-    model = load_model(NEEDLE)
-    with torch.no_grad():
-        model.output.weight.neg_()
-    save_model(model, tmp_path)
-    (tmp_path / "tekken.json").write_bytes((NEEDLE / "tekken.json").read_bytes())
-    bad = evaluate(tmp_path, 4096, 3, 12345, 1)
-    assert [r["value"] for r in bad["rows"]] == [r["value"] for r in good["rows"]]   # the same needles
-    assert bad["exact"] == 0
+    assert good["exact"] == good["copied"] == 3
+    assert all(r["first_wrong"] is None and r["answer_ce"] < 0.2 for r in good["rows"])
+    eos = load_tokenizer(NEEDLE).instruct_tokenizer.tokenizer.eos_id
+    endless = evaluate(broken("endless", lambda w: w[eos].zero_()), 4096, 3, 12345, 1)
+    assert endless["exact"] == 0 and endless["copied"] == 3
+    for r in endless["rows"]:
+        assert r["first_wrong"]["want"] == "</s>" and r["first_wrong"]["index"] == r["first_wrong"]["of"] - 1
+    bad = evaluate(broken("negated", lambda w: w.neg_()), 4096, 3, 12345, 1)
+    assert bad["exact"] == bad["copied"] == 0
     for r in bad["rows"]:
-        wrong = r["first_wrong"]
-        assert wrong["index"] == 0 and wrong["want"] != wrong["got"] and r["answer_ce"] > 1.0
+        assert r["first_wrong"]["index"] == 0 and r["first_wrong"]["want"] != r["first_wrong"]["got"]
+        assert r["answer_ce"] > 1.0
+    values = [r["value"] for r in good["rows"]]
+    assert [r["value"] for r in endless["rows"]] == [r["value"] for r in bad["rows"]] == values

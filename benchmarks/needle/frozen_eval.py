@@ -1,13 +1,14 @@
 """Teacher-forced needles in one cached haystack (`hisparse.train.prefix_forward`), no training: per needle the
-answer's mean cross-entropy, whether every answer token (EOS included) is the argmax, the first one that is not,
-and the answer queries' indexer KL. The haystack is cached once (as a frozen-haystack round caches it), so one
+answer's mean cross-entropy, whether every answer token (EOS included) is the argmax, whether the ones before the
+first miss spell the value (the needle copied, as `benchmarks.needle` grades a reply), the first miss, and the
+answer queries' indexer KL. The haystack is cached once (as a frozen-haystack round caches it), so one
 long length costs one prefill plus ~1 s a needle, where `benchmarks.needle.million` costs a prefill a prompt.
 
     python -m benchmarks.needle.frozen_eval --model checkpoints/needle-ml4 --chars 262144 [--needles 8] \\
         [--haystack-seed 12345] [--seed 1] [--threads 1] [--out benchmarks/results/needle/frozen_eval.json]
 
 The rows are the training forward's (the answer's queries attend over Sel(t) plus the recipe's newest keys), so
-an exact row is a teacher-forced answer, not a served one; a row that misses only its EOS still copied the needle.
+an exact row is a teacher-forced answer, not a served one.
 """
 
 from __future__ import annotations
@@ -52,16 +53,18 @@ def evaluate(model_dir: Path, chars: int, needles: int, haystack_seed: int, seed
                                               recipe.kl_recent_keys)
             want, got = live.targets[live.ans], logits[live.ans].argmax(-1)
             wrong = (got != want).nonzero().flatten().tolist()
+            right = tok.decode(want[:wrong[0] if wrong else None].tolist(), KEEP)   # the answer up to its first miss
             rows.append({"depth": round(depth, 3), "value": value,
                          "answer_ce": round(F.cross_entropy(logits[live.ans], want).item(), 4),
-                         "exact": not wrong,
+                         "exact": not wrong, "copied": value in right,
                          "first_wrong": None if not wrong else {"index": wrong[0], "of": want.numel(),
                                                                 "want": tok.decode([int(want[wrong[0]])], KEEP),
                                                                 "got": tok.decode([int(got[wrong[0]])], KEEP)},
                          "answer_index_kl": round(query_kl[:, live.ans].mean().item(), 4)})
             tqdm.write(json.dumps(rows[-1]))
     return {"tokens": hay.cache.tokens.numel(), "chars": chars, "haystack_seed": haystack_seed, "seed": seed,
-            "cache_s": round(cache_s, 1), "exact": sum(r["exact"] for r in rows), "needles": needles,
+            "cache_s": round(cache_s, 1), "exact": sum(r["exact"] for r in rows),
+            "copied": sum(r["copied"] for r in rows), "needles": needles,
             "rows": rows}
 
 
@@ -81,7 +84,8 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"command": command, "model": args.model, "threads": args.threads,
                                           **result}, indent=1) + "\n")
-    print(f"{result['exact']}/{result['needles']} exact at {result['tokens']:,} tokens "
+    print(f"{result['exact']}/{result['needles']} exact, {result['copied']} with the value copied, at "
+          f"{result['tokens']:,} tokens "
           f"(cache {result['cache_s']} s)")
 
 
