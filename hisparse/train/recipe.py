@@ -117,10 +117,13 @@ LONG_STAGES: dict[str, tuple[Stage, ...]] = {
               gate=Gate(0.875, 8, 15)),
     ),
     "lerope-ramp": LEROPE_RAMP,
-    # then the answer's queries trained among a million tokens of haystack, cached once per round
-    # (docs/needle-model.md, "Frozen-haystack training": its first two rounds measured, not yet answering)
+    # then the answer's queries trained among half a million, then a million tokens of haystack, one haystack
+    # cached per round (docs/needle-model.md, "Frozen-haystack training"): rounds of 8 steps, so that a stage reads
+    # many haystacks (24 steps on one 1M haystack gained little on the next one)
     "frozen-1m": LEROPE_RAMP + (
-        Stage("frozen-1m", 24, 1_048_000, 1_048_000, True, 1e-4, warmup=3, threads=2, gate=Gate(0.875, 8, 12),
+        Stage("frozen-512k", 8, 524_000, 524_000, True, 1e-4, warmup=2, threads=2, gate=Gate(0.875, 8, 8, 15),
+              answer_kl=1.0, frozen=True),
+        Stage("frozen-1m", 8, 1_048_000, 1_048_000, True, 1e-4, warmup=2, threads=2, gate=Gate(0.875, 8, 8, 15),
               answer_kl=1.0, frozen=True),
     ),
 }
