@@ -24,5 +24,7 @@ $(BIN)/hisparse: pyproject.toml
 demo: $(BIN)/hisparse
 	$(BIN)/hisparse serve
 
+# two pytest workers (pytest-xdist), one per core: each test runs single-threaded, and the slowest ones are sm_90
+# compiles and subprocess servers that leave a core idle; worksteal rebalances the long tests at the end
 test: $(BIN)/hisparse .venv-vllm/.hisparse-vllm-installed .venv-triton36/.installed
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist worksteal

@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import random
-import sys
 from pathlib import Path
 
 import pytest
@@ -33,30 +32,29 @@ from hisparse.model.ml4 import ML4
 from hisparse.model.tiny import make_tiny, random_model
 
 SEED = int(os.environ.get("HISPARSE_TEST_SEED", random.SystemRandom().randrange(2**31)))
+os.environ["HISPARSE_TEST_SEED"] = str(SEED)   # pytest-xdist workers inherit it: one seed for the whole run
 
 
 def pytest_report_header(config: pytest.Config) -> str:
     return f"hisparse test seed: {SEED} (replay with HISPARSE_TEST_SEED={SEED})"
 
 
-SUMMARY: list[str] = []   # lines tests add for the end of the run (e.g. how many kernels compiled)
+SUMMARY: list[str] = []   # lines for the end of the run (e.g. how many kernels compiled), from every xdist worker
+
+
+def summarize(request: pytest.FixtureRequest, line: str) -> None:
+    """Print `line` at the end of the run: through the test's report, which pytest-xdist sends to the controller."""
+    request.node.user_properties.append(("summary", line))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "call":
+        SUMMARY.extend(value for key, value in report.user_properties if key == "summary")
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
     for line in SUMMARY:
         terminalreporter.write_line(line)
-
-
-def pytest_collection_finish(session: pytest.Session) -> None:
-    if any(item.path.name == "test_triton_aot.py" for item in session.items):
-        from test_triton_aot import start_compiles     # the sm_90 compiles run beside the suite (see that module)
-        start_compiles(session.items)
-
-
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    aot = sys.modules.get("test_triton_aot")
-    if aot is not None:
-        aot.stop_compiles()                           # those of tests that did not run (-x, -k, Ctrl-C)
 
 
 @pytest.fixture(scope="session")

@@ -6,25 +6,21 @@ shared memory than the target has, fails here. The specialisations are enumerate
 them, so a launch site whose specialisations are not compiled fails a test.
 
 Compiles run in subprocesses without TRITON_INTERPRET (the test process decorates the kernels for the
-interpreter) and with an empty Triton cache (every specialisation is really compiled), in the background from the
-moment the session collects these tests."""
+interpreter) and with an empty Triton cache (every specialisation is really compiled)."""
 
 from __future__ import annotations
 
 import ast
 import json
 import os
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import SUMMARY
+from conftest import summarize
 from hisparse.engine.generate import greedy_generate
 from hisparse.kv.settings import KVSettings
 from hisparse.core import triton_support
@@ -34,76 +30,20 @@ from hisparse.model.tiny import random_model
 ROOT = Path(__file__).resolve().parents[1]
 OLDEST = ROOT / ".venv-triton36" / "bin" / "python"
 runnable = triton_support.available() and (torch.cuda.is_available() or triton_support.interpreted())
-AOT_TESTS = {"test_every_specialisation_compiles_for_sm90": Path(sys.executable),
-             "test_every_specialisation_compiles_for_sm90_under_triton_3_6": OLDEST}   # test -> the python it uses
 
 
-class BackgroundCompile:
-    """One compile of the whole matrix (`python -m hisparse.triton_kernels --arch 90`) in a niced subprocess,
-    started when the session's tests are collected (conftest's `pytest_collection_finish` calls `start`). The suite
-    runs in one process, so the compile takes the core it leaves idle, and at nice 19 it does not slow the tests
-    beside it; the test waits for it. Output goes to files: a pipe nobody reads until the test would stall it."""
-    started: dict[Path, BackgroundCompile] = {}
-
-    def __init__(self, python: Path) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="hisparse-aot-"))
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        env |= {"TRITON_CACHE_DIR": str(self.dir / "cache"), "TRITON_DEFAULT_FP_FUSION": "1",
-                "PYTHONPATH": str(ROOT)}
-        self.out, self.err = open(self.dir / "stdout", "w+"), open(self.dir / "stderr", "w+")
-        self.proc = subprocess.Popen(["nice", "-n", "19", str(python), "-m", "hisparse.triton_kernels", "--arch", "90",
-                                      "--jobs", "2"], env=env, stdout=self.out, stderr=self.err, text=True, cwd=ROOT,
-                                     start_new_session=True)
-
-    @classmethod
-    def start(cls, python: Path) -> None:
-        if python not in cls.started:
-            cls.started[python] = cls(python)
-
-    def result(self, timeout_s: float = 1800) -> tuple[int, str, str]:
-        """(return code, stdout, stderr) once the compile has finished (killed after timeout_s); removes its files."""
-        try:
-            code = self.proc.wait(timeout_s)
-            self.out.seek(0)
-            self.err.seek(0)
-            return code, self.out.read(), self.err.read()
-        finally:
-            self.stop()
-
-    def stop(self) -> None:
-        """Kill the compile (nice and its child: the process group) and remove its files."""
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        self.out.close()
-        self.err.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-def start_compiles(items: list[pytest.Item]) -> None:
-    """Start the background compile of each AOT test among the session's `items`."""
-    for item in items:
-        python = AOT_TESTS.get(item.name)
-        if python is not None and python.exists() and triton_support.available():
-            BackgroundCompile.start(python)
-
-
-def stop_compiles() -> None:
-    """Kill the compiles no test collected the result of."""
-    while BackgroundCompile.started:
-        BackgroundCompile.started.popitem()[1].stop()
-
-
-def _compile_matrix(python: Path) -> dict:
-    BackgroundCompile.start(python)          # (already running when the session collected this test)
-    code, out, err = BackgroundCompile.started.pop(python).result()
-    assert out, err[-4000:]
-    result = json.loads(out)
-    SUMMARY.append(f"sm_90 AOT, triton {result['triton']}: {result['compiled']} specialisations compiled, "
-                   f"{result['failed']} failed ({result['per_kernel']})")
+def _compile_matrix(python: Path, tmp_path: Path, request: pytest.FixtureRequest) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env |= {"TRITON_CACHE_DIR": str(tmp_path), "TRITON_DEFAULT_FP_FUSION": "1", "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([str(python), "-m", "hisparse.triton_kernels", "--arch", "90", "--jobs", "2"], env=env,
+                         capture_output=True, text=True, timeout=1800, cwd=ROOT)
+    assert run.stdout, run.stderr[-4000:]
+    result = json.loads(run.stdout)
+    summarize(request, f"sm_90 AOT, triton {result['triton']}: {result['compiled']} specialisations compiled, "
+                       f"{result['failed']} failed ({result['per_kernel']})")
     failed = [f"{e['kernel']} [{e['launched_by']}]: {e['error']}" for e in result["errors"]]
     assert not failed, "\n".join(failed)
-    assert code == 0, err[-4000:]
+    assert run.returncode == 0, run.stderr[-4000:]
     return result
 
 
@@ -117,14 +57,15 @@ def _check(result: dict) -> None:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not triton_support.available(), reason="needs triton")
-def test_every_specialisation_compiles_for_sm90() -> None:
-    _check(_compile_matrix(Path(sys.executable)))
+def test_every_specialisation_compiles_for_sm90(tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    _check(_compile_matrix(Path(sys.executable), tmp_path, request))
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not OLDEST.exists(), reason="needs .venv-triton36 (made by `make test`)")
-def test_every_specialisation_compiles_for_sm90_under_triton_3_6() -> None:
-    result = _compile_matrix(OLDEST)
+def test_every_specialisation_compiles_for_sm90_under_triton_3_6(tmp_path: Path,
+                                                                  request: pytest.FixtureRequest) -> None:
+    result = _compile_matrix(OLDEST, tmp_path, request)
     assert result["triton"].startswith("3.6")
     _check(result)
 

@@ -31,7 +31,6 @@ from hisparse.train.frozen_haystack import build_haystack, live_needle
 from hisparse.train.passkey import random_value
 from hisparse.train.prefix_forward import prefix_forward
 from hisparse.train.recipe import Recipe
-from hisparse.train.trainer import PasskeyBatches
 
 KEEP = SpecialTokenPolicy.KEEP     # an EOS is named, not dropped
 
@@ -39,16 +38,15 @@ KEEP = SpecialTokenPolicy.KEEP     # an EOS is named, not dropped
 def evaluate(model_dir: Path, chars: int, needles: int, haystack_seed: int, seed: int) -> dict:
     """Cache one haystack of `chars` characters, then score `needles` needles (depth and value from `seed`)."""
     model = load_model(model_dir).eval()
-    data, recipe = PasskeyBatches(model_dir, 0), Recipe()
-    tok = load_tokenizer(model_dir).instruct_tokenizer.tokenizer
+    tok, recipe = load_tokenizer(model_dir).instruct_tokenizer.tokenizer, Recipe()
     t0 = time.perf_counter()
     with torch.no_grad():
-        hay = build_haystack(model, data.encode, haystack_seed, chars, recipe.kl_recent_keys)
+        hay = build_haystack(model, tok.encode, haystack_seed, chars, recipe.kl_recent_keys)
         cache_s = time.perf_counter() - t0
         rng, rows = random.Random(seed), []
         for _ in tqdm(range(needles), desc=f"needles at {hay.cache.tokens.numel():,} tokens"):
             depth, value = rng.random(), random_value(rng)
-            live = live_needle(hay, data.encode, data.eos, value, depth)
+            live = live_needle(hay, tok.encode, tok.eos_id, value, depth)
             logits, query_kl = prefix_forward(model, hay.cache, live.tokens, live.after, live.positions,
                                               recipe.kl_recent_keys)
             want, got = live.targets[live.ans], logits[live.ans].argmax(-1)
