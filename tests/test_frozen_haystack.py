@@ -3,6 +3,7 @@ that trains on them logs, saves and resumes mid-round like every other stage."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -50,12 +51,16 @@ def test_live_rows_and_the_haystack_are_the_benchmark_prompt(depth: float):
     assert live.ans.sum() == len(answer("4011790")) + 1 and live.ans[-live.ans.sum():].all()
 
 
-def test_a_frozen_stage_trains_and_resumes_mid_round(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+@pytest.mark.parametrize("replay", [False, True], ids=["alone", "replay"])
+def test_a_frozen_stage_trains_and_resumes_mid_round(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, replay: bool):
     """A frozen-haystack stage logs its steps at the merged prompt's length, caches a new haystack for a retry
-    round, and a run killed mid-round resumes to the uninterrupted run's weights and log."""
-    recipe = Recipe(seed=3, stages=(Stage("dense", 2, 16, 48, False, 1e-3),
-                                    Stage("frozen", 2, 400, 400, True, 1e-3, frozen=True, answer_kl=1.0,
-                                          gate=Gate(1.1, 2, retry_steps=2, retries=1))),
+    round, and a run killed mid-round resumes to the uninterrupted run's weights and log. With a replay stage
+    each step also trains one of its batches (logged beside the needle's answer), and the replay's gradients
+    reach the weights."""
+    frozen_stage = Stage("frozen", 2, 400, 400, True, 1e-3, frozen=True, answer_kl=1.0,
+                         gate=Gate(1.1, 2, retry_steps=2, retries=1),
+                         replay=Stage("short", 1, 96, 160, True, 0.0, topk_only=True) if replay else None)
+    recipe = Recipe(seed=3, stages=(Stage("dense", 2, 16, 48, False, 1e-3), frozen_stage),
                     tokens_per_batch=512, warmup=2, kl_recent_keys=8)
     monkeypatch.setattr(trainer, "PARTIAL_EVERY_S", 0.0)
     seeds = []
@@ -67,6 +72,16 @@ def test_a_frozen_stage_trains_and_resumes_mid_round(tmp_path: Path, monkeypatch
     prompt = {1 + len(INTRO) + 400 + len(needle_text("1234567", own)) + len(QUESTION + COMPLETION_CUE) +
               len(answer("1234567")) + 1 for own in (False, True)}    # BOS, the prompt, the answer and EOS
     assert all(r["B"] == 1 and r["T"] in prompt for r in frozen), frozen
+    if replay:
+        assert all(96 + 100 < r["replay_T"] < 160 + 200 and 0 <= r["replay_answer_ce"] for r in frozen), frozen
+        one = replace(frozen_stage, steps=1, gate=None)     # one step: the same needle with and without
+        both = train(tmp_path / "one", replace(recipe, stages=(recipe.stages[0], one)))
+        alone = train(tmp_path / "alone", replace(recipe, stages=(recipe.stages[0], replace(one, replay=None))))
+        assert not all(torch.equal(p, q) for p, q in zip(both.parameters(), alone.parameters()))
+        assert [r["answer_ce"] for r in log_records(tmp_path / "one")] == [
+            r["answer_ce"] for r in log_records(tmp_path / "alone")]
+    else:
+        assert not any("replay_T" in r for r in frozen)
     real = trainer.prefix_forward
     calls = []
 

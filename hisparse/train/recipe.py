@@ -73,6 +73,9 @@ class Stage:
     frozen: bool = False             # each round caches one haystack of max_chars characters and each step trains
                                      # a needle, the question and the answer live in it (prefix_forward): the
                                      # answer's queries select among a haystack no full forward could train on
+    replay: Stage | None = None      # frozen: a short-prompt stage, one batch of which each step also trains on
+                                     # (its loss added), so what the short prompts need stays while the answer
+                                     # learns a million keys
 
 
 FIRST_STAGES = (
@@ -110,6 +113,9 @@ LEROPE_RAMP = (
           gate=Gate(0.875, 8, 12), answer_kl=1.0),
 )
 
+# what a frozen stage's steps also train on: prompts of 6k-40k characters, as ramped-40k's with answer_kl
+REPLAY_40K = Stage("replay-40k", 1, 6144, 40960, True, 1e-4, topk_only=True, threads=2, answer_kl=1.0)
+
 LONG_STAGES: dict[str, tuple[Stage, ...]] = {
     # one stage at up to 128k on the shipped frequencies
     "sparse-128k": (
@@ -123,8 +129,12 @@ LONG_STAGES: dict[str, tuple[Stage, ...]] = {
     "frozen-1m": LEROPE_RAMP + (
         Stage("frozen-512k", 8, 524_000, 524_000, True, 1e-4, warmup=2, threads=2, gate=Gate(0.875, 8, 8, 15),
               answer_kl=1.0, frozen=True),
-        Stage("frozen-1m", 8, 1_048_000, 1_048_000, True, 1e-4, warmup=2, threads=2, gate=Gate(0.875, 8, 8, 15),
+        Stage("frozen-1m", 8, 1_048_000, 1_048_000, True, 1e-4, warmup=2, threads=2, gate=Gate(0.875, 8, 8, 3),
               answer_kl=1.0, frozen=True),
+        # the rounds above cost the short prompts a few answers (teacher-forced at 8k and 32k: 14 and 13 of 16,
+        # against 16 and 15 before them); from here each step also trains one batch of 6k-40k characters
+        Stage("frozen-1m-replay", 8, 1_048_000, 1_048_000, True, 1e-4, warmup=2, threads=2,
+              gate=Gate(0.875, 8, 8, 15), answer_kl=1.0, frozen=True, replay=REPLAY_40K),
     ),
 }
 

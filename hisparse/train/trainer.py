@@ -98,9 +98,11 @@ class PasskeyBatches:
         depth = self.rng.random()
         return depth, random_value(self.rng)
 
-    def draw(self, stage: Stage, tokens_per_batch: int) -> tuple:
-        """What one step of `stage` trains on: a needle in a frozen-haystack stage, else a batch."""
-        return self.needle() if stage.frozen else self.batch(stage, tokens_per_batch)
+    def draw(self, stage: Stage, tokens_per_batch: int) -> tuple[tuple, tuple | None]:
+        """What one step of `stage` trains on: a needle in a frozen-haystack stage, else a batch; and a batch of
+        its replay stage, if it has one."""
+        drawn = self.needle() if stage.frozen else self.batch(stage, tokens_per_batch)
+        return drawn, None if stage.replay is None else self.batch(stage.replay, tokens_per_batch)
 
 
 def haystack_seed(recipe: Recipe, stage: Stage, round_: int) -> int:
@@ -316,10 +318,21 @@ def train_round(model: ML4, stage: Stage, data: PasskeyBatches, recipe: Recipe, 
         if round_ == 0 and stage.lerope_alpha is not None:
             with torch.no_grad():
                 model.lerope.alpha.copy_(lerope_at(recipe, stage, step))
-        logits, targets, ans, valid, index_kl, (B, T) = step_forward(model, stage, data, recipe, hay)
+        drawn, replay = data.draw(stage, recipe.tokens_per_batch)
+        logits, targets, ans, valid, index_kl, (B, T) = step_forward(model, stage, drawn, data, recipe, hay)
         loss, ans_ce = step_loss(logits, targets, ans, valid, index_kl, recipe)
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        extra = {}
+        if replay is not None:      # its gradients add to the step's (one backward each: one graph at a time)
+            r_logits, r_targets, r_ans, r_valid, r_kl, (_, r_T) = step_forward(model, stage.replay, replay, data,
+                                                                                recipe, None)
+            r_loss, r_ce = step_loss(r_logits, r_targets, r_ans, r_valid, r_kl, recipe)
+            r_loss.backward()
+            loss = loss.detach() + r_loss.detach()
+            with torch.no_grad():
+                r_exact = answer_hits(r_logits, r_targets, r_ans).float().mean().item()
+            extra = {"replay_T": r_T, "replay_answer_ce": round(r_ce.item(), 4), "replay_exact": r_exact}
         torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip)
         opt.step()
         keep_ssmax_sane(model)
@@ -327,7 +340,8 @@ def train_round(model: ML4, stage: Stage, data: PasskeyBatches, recipe: Recipe, 
             exacts.append(answer_hits(logits, targets, ans).float().mean().item())
         rec = {"stage": stage.name, "step": step, "T": T, "B": B,
                "loss": round(loss.item(), 4), "answer_ce": round(ans_ce.item(), 4),
-               "index_kl": round(index_kl.item(), 4), "answer_exact": exacts[-1], "s": round(time.time() - at.t0, 1)}
+               "index_kl": round(index_kl.item(), 4), "answer_exact": exacts[-1], **extra,
+               "s": round(time.time() - at.t0, 1)}
         if round_:
             rec["round"] = round_
         at.log.write(json.dumps(rec) + "\n")
@@ -339,20 +353,21 @@ def train_round(model: ML4, stage: Stage, data: PasskeyBatches, recipe: Recipe, 
     return exacts
 
 
-def step_forward(model: ML4, stage: Stage, data: PasskeyBatches, recipe: Recipe, hay: FrozenHaystack | None
+def step_forward(model: ML4, stage: Stage, drawn: tuple, data: PasskeyBatches, recipe: Recipe,
+                 hay: FrozenHaystack | None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, int]]:
-    """One step's forward on its draw: logits [B n, V] of the rows whose next tokens are targets [B, n], the
-    answer and loss masks [B, n], the indexer KL (the answer queries' weighted by `stage.answer_kl` in top-k-only
-    and frozen-haystack stages) and the sequences' (B, T)."""
+    """One step's forward on what it drew (`PasskeyBatches.draw`): logits [B n, V] of the rows whose next tokens
+    are targets [B, n], the answer and loss masks [B, n], the indexer KL (the answer queries' weighted by
+    `stage.answer_kl` in top-k-only and frozen-haystack stages) and the sequences' (B, T)."""
     if stage.frozen:
-        depth, value = data.needle()
+        depth, value = drawn
         live = live_needle(hay, data.encode, data.eos, value, depth)
         logits, query_kl = prefix_forward(model, hay.cache, live.tokens, live.after, live.positions,
                                           recipe.kl_recent_keys)
         index_kl = query_kl.mean(1).mean() + stage.answer_kl * query_kl[:, live.ans].mean()
         T = hay.cache.tokens.numel() + live.tokens.numel() + 1
         return logits, live.targets[None], live.ans[None], live.valid[None], index_kl, (1, T)
-    tokens, ans, valid = data.batch(stage, recipe.tokens_per_batch)
+    tokens, ans, valid = drawn
     if stage.topk_only:
         logits, query_kl = topk_forward(model, tokens[:, :-1], recipe.kl_recent_keys)
         index_kl = query_kl.mean(1).mean() + stage.answer_kl * query_kl[:, ans.flatten()].mean()
