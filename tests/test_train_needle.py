@@ -103,7 +103,8 @@ def test_training_is_reproducible_and_writes_a_servable_checkpoint(tmp_path: Pat
             assert (p[:, 0] >= 0).all() and (p[:, 1] >= 0.1).all()
     saved = load_model(tmp_path / "a")
     assert saved.cfg == ModelConfig.from_params(Recipe().params())
-    assert load_tokenizer(tmp_path / "a").instruct_tokenizer.tokenizer.n_words == TOKENIZER_WORDS
+    for ckpt in (tmp_path / "a", tmp_path / "a" / "after-sparse"):     # the run's model and a stage's
+        assert load_tokenizer(ckpt).instruct_tokenizer.tokenizer.n_words == TOKENIZER_WORDS
     lines = (tmp_path / "a" / "train_log.jsonl").read_text().splitlines()
     assert len(lines) == 1 + 3 + 2 + 2
 

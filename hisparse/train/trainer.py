@@ -202,6 +202,7 @@ def _train(out: Path, recipe: Recipe, resume: bool) -> ML4:
             exact = exact[:start] + train_round(model, stage, data, recipe, at)
             state = None
             save_model(model, stage_dir(out, stage))
+            write_tekken(stage_dir(out, stage), TOKENIZER_WORDS)     # each stage's folder loads on its own
             (stage_dir(out, stage) / STEPS_FILE).write_text(str(len(exact)))
             (out / PARTIAL_FILE).unlink(missing_ok=True)
             model = load_stage(out, stage)
