@@ -132,7 +132,8 @@ LONG_STAGES: dict[str, tuple[Stage, ...]] = {
         Stage("frozen-1m", 8, 1_048_000, 1_048_000, True, 1e-4, warmup=2, threads=2, gate=Gate(0.875, 8, 8, 3),
               answer_kl=1.0, frozen=True),
         # the rounds above cost the short prompts a few answers (teacher-forced at 8k and 32k: 14 and 13 of 16,
-        # against 16 and 15 before them); from here each step also trains one batch of 6k-40k characters
+        # against 15 and 16 for the weights they start from); from here each step also trains one batch of
+        # 6k-40k characters
         Stage("frozen-1m-replay", 8, 1_048_000, 1_048_000, True, 1e-4, warmup=2, threads=2,
               gate=Gate(0.875, 8, 8, 15), answer_kl=1.0, frozen=True, replay=REPLAY_40K),
     ),
